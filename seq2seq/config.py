@@ -1,0 +1,246 @@
+"""Configuration: the model (`TransformerConfig`), the data (`DataConfig`) and the run
+(`TrainConfig`), bundled in one frozen `Config` that is passed whole and varied with
+`.replace(...)` or `override(cfg, ["model.d_model=256", "steps=100"])`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+from seq2seq.errors import UserError
+
+
+class ConfigError(UserError):
+  """An invalid configuration value or key."""
+
+
+def _check(cond: bool, msg: str):
+  if not cond:
+    raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Every hyper-parameter of the model. Defaults are the paper's base model."""
+  vocab_size: int = 32000
+  d_model: int = 512
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  d_ff: int = 2048
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  max_len: int = 256            # longest sequence the position table covers
+  share_embeddings: bool = True  # one token embedding for source and target
+  tie_output: bool = True        # output projection = target embedding transposed
+  pre_ln: bool = False           # False: the paper's post-LN, LayerNorm(x + Sublayer(x))
+  dtype: str = "float32"         # compute dtype of matmul inputs ("bfloat16" for mixed)
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
+                 "num_decoder_layers", "d_ff", "max_len"):
+      v = getattr(self, name)
+      _check(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+             f"{name} must be a positive integer, got {v!r}")
+    _check(self.d_model % self.num_heads == 0,
+           f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      v = getattr(self, name)
+      _check(isinstance(v, (int, float)) and 0.0 <= v < 1.0,
+             f"{name} must be in [0, 1), got {v!r}")
+    for name in ("dtype", "param_dtype"):
+      _check(getattr(self, name) in ("float32", "bfloat16", "float16"),
+             f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  def replace(self, **kw) -> "TransformerConfig":
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """What to read and how to batch it."""
+  dataset: str = "numbers"       # "numbers" (embedded), "parallel_text", or a TFDS name
+  data_dir: str = ""             # "" -> ~/tensorflow_datasets (or $TFDS_DATA_DIR)
+  target_lang: str = "fr"        # embedded numbers task: fr or de
+  # parallel_text: Moses-style files `<prefix>.<src_lang>` / `<prefix>.<tgt_lang>` or a TSV.
+  train_files: str = ""          # prefix ("corpus/train") or a .tsv path
+  validation_files: str = ""
+  test_files: str = ""
+  src_lang: str = "en"
+  tgt_lang: str = "fr"
+  reverse: bool = False          # swap source and target of a TFDS translation dataset
+  vocab_size: int = 8000
+  spm_model_type: str = "unigram"
+  character_coverage: float = 1.0
+  max_src_len: int = 64          # tokens, EOS included
+  max_tgt_len: int = 64
+  length_policy: str = "drop"    # over-long training pairs: "drop" or "truncate"
+  pack: bool = True              # pack training rows (segment ids) or pad one pair per row
+
+  def __post_init__(self):
+    _check(self.length_policy in ("drop", "truncate"),
+           f"length_policy must be 'drop' or 'truncate', got {self.length_policy!r}")
+    _check(self.vocab_size > 4, f"vocab_size must be > 4, got {self.vocab_size}")
+    _check(self.max_src_len > 1 and self.max_tgt_len > 1, "max_src_len/max_tgt_len must be > 1")
+    _check(0.0 < self.character_coverage <= 1.0,
+           f"character_coverage must be in (0, 1], got {self.character_coverage}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The run: optimisation, evaluation, checkpoints, parallelism."""
+  seed: int = 0
+  steps: int = 10000
+  batch_size: int = 64           # rows per global batch (packed rows when data.pack)
+  seq_len: int = 64              # row length of a packed/padded batch
+  learning_rate_scale: float = 1.0  # the schedule's `scale`
+  warmup_steps: int = 4000
+  label_smoothing: float = 0.1
+  adam_b1: float = 0.9
+  adam_b2: float = 0.98
+  adam_eps: float = 1e-9
+  weight_decay: float = 0.0
+  clip_grad_norm: float = 0.0    # 0 = off
+  grad_accum_steps: int = 1
+  eval_every: int = 1000
+  eval_batch_size: int = 64
+  num_eval_examples: int = 0     # 0 = the whole split
+  checkpoint_every: int = 1000
+  keep_checkpoints: int = 3
+  log_every: int = 50
+  decode_strategy: str = "greedy"  # eval decoding: "greedy" or "beam"
+  beam_size: int = 4
+  length_penalty: float = 0.6
+  mesh_shape: str = ""           # e.g. "data=4,fsdp=2"; "" = all devices on `data`
+  fsdp: bool = False
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "seq_len", "warmup_steps", "grad_accum_steps",
+                 "eval_every", "eval_batch_size", "checkpoint_every", "keep_checkpoints",
+                 "log_every", "beam_size"):
+      v = getattr(self, name)
+      _check(isinstance(v, int) and v > 0, f"{name} must be a positive integer, got {v!r}")
+    _check(0.0 <= self.label_smoothing < 1.0,
+           f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+    _check(self.learning_rate_scale > 0, "learning_rate_scale must be > 0")
+    _check(self.decode_strategy in ("greedy", "beam"),
+           f"decode_strategy must be 'greedy' or 'beam', got {self.decode_strategy!r}")
+    _check(self.batch_size % self.grad_accum_steps == 0,
+           f"batch_size ({self.batch_size}) must be divisible by grad_accum_steps "
+           f"({self.grad_accum_steps})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything about one run. Written to `<workdir>/config.json`."""
+  model: TransformerConfig = TransformerConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+
+  def replace(self, **kw) -> "Config":
+    return dataclasses.replace(self, **kw)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Config":
+    try:
+      return cls(model=TransformerConfig(**d["model"]), data=DataConfig(**d["data"]),
+                 train=TrainConfig(**d["train"]))
+    except (KeyError, TypeError) as e:
+      raise ConfigError(f"config does not match this version of seq2seq: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Presets. Parameter counts are for a shared 37,000-token vocabulary (tests check them).
+
+_MODEL_PRESETS = {
+    # ~0.4M params + embeddings: unit tests and the embedded numbers task.
+    "tiny": dict(d_model=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2,
+                 d_ff=256, dropout_rate=0.1),
+    # The benchmark's `small` workload: d 256, 3+3 layers, 4 heads, FFN 1024.
+    "small": dict(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
+                  d_ff=1024, dropout_rate=0.1),
+    # The paper's base model (65M with a 37k shared vocabulary).
+    "base": dict(d_model=512, num_heads=8, num_encoder_layers=6, num_decoder_layers=6,
+                 d_ff=2048, dropout_rate=0.1),
+    # The paper's big model (213M); dropout 0.3 as for EN-DE.
+    "big": dict(d_model=1024, num_heads=16, num_encoder_layers=6, num_decoder_layers=6,
+                d_ff=4096, dropout_rate=0.3),
+}
+
+
+def get_config(name: str, vocab_size: int = 37000) -> TransformerConfig:
+  """A model preset: tiny, small, base or big."""
+  if name not in _MODEL_PRESETS:
+    raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(_MODEL_PRESETS)}")
+  return TransformerConfig(vocab_size=vocab_size, **_MODEL_PRESETS[name])
+
+
+PRESETS = tuple(_MODEL_PRESETS)
+
+
+# ---------------------------------------------------------------------------------------
+# --config.KEY=VALUE overrides.
+
+def _parse_value(field: dataclasses.Field, current: Any, text: str, key: str) -> Any:
+  typ = type(current)
+  try:
+    if typ is bool:
+      low = text.lower()
+      if low in ("1", "true", "yes", "on"):
+        return True
+      if low in ("0", "false", "no", "off"):
+        return False
+      raise ValueError
+    if typ is int:
+      return int(text)
+    if typ is float:
+      return float(text)
+    return text
+  except ValueError:
+    raise ConfigError(f"--config.{key}: cannot read {text!r} as {typ.__name__}") from None
+
+
+def override(cfg: Config, items: list[str]) -> Config:
+  """Applies `KEY=VALUE` items; KEY is `section.field` or a field name unique to a section."""
+  sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+  for item in items:
+    if "=" not in item:
+      raise ConfigError(f"--config.{item}: expected --config.KEY=VALUE")
+    key, text = item.split("=", 1)
+    if "." in key:
+      sec, name = key.split(".", 1)
+      if sec not in sections:
+        raise ConfigError(f"--config.{key}: unknown section {sec!r} "
+                          f"(model, data or train)")
+      owners = [sec] if name in {f.name for f in dataclasses.fields(sections[sec])} else []
+    else:
+      name = key
+      owners = [s for s, c in sections.items()
+                if name in {f.name for f in dataclasses.fields(c)}]
+    if not owners:
+      import difflib
+      every = [f"{s}.{f.name}" for s, c in sections.items() for f in dataclasses.fields(c)]
+      close = difflib.get_close_matches(key, every + [e.split(".")[1] for e in every], n=1)
+      hint = f"; did you mean {close[0]!r}?" if close else ""
+      raise ConfigError(f"--config.{key}: unknown config key{hint}")
+    if len(owners) > 1:
+      raise ConfigError(f"--config.{key}: ambiguous, say one of "
+                        + ", ".join(f"{o}.{name}" for o in owners))
+    sec = owners[0]
+    field = next(f for f in dataclasses.fields(sections[sec]) if f.name == name)
+    value = _parse_value(field, getattr(sections[sec], name), text, key)
+    sections[sec] = dataclasses.replace(sections[sec], **{name: value})
+  return Config(**sections)
