@@ -1,0 +1,221 @@
+"""The model is the paper's: positions, embedding, Add & Norm, masks, head, parameter counts."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import seq2seq
+from seq2seq import layers
+from seq2seq.config import ConfigError, TransformerConfig
+from seq2seq.model import Transformer, count_params, init_cache
+
+CFG = seq2seq.get_config("tiny", vocab_size=37).replace(dropout_rate=0.0)
+
+
+def _init(cfg, src, tgt):
+  return jax.jit(Transformer(cfg).init)(jax.random.key(0), src, tgt)
+
+
+def _batch(seed=0, b=3, s=7, t=6, vocab=37):
+  rng = np.random.default_rng(seed)
+  src = rng.integers(4, vocab, (b, s)).astype(np.int32)
+  tgt = rng.integers(4, vocab, (b, t)).astype(np.int32)
+  src[1, 5:] = 0  # padded source row
+  return jnp.asarray(src), jnp.asarray(tgt)
+
+
+def test_sinusoids_match_paper_formula():
+  L, D = 50, 16
+  pe = layers.sinusoidal_positions(L, D)
+  for pos in range(L):
+    for i in range(D // 2):
+      angle = pos / 10000 ** (2 * i / D)
+      assert pe[pos, 2 * i] == pytest.approx(np.sin(angle), abs=1e-6)
+      assert pe[pos, 2 * i + 1] == pytest.approx(np.cos(angle), abs=1e-6)
+
+
+def test_embedding_is_scaled_by_sqrt_d_and_tied_head_uses_it():
+  src, tgt = _batch()
+  params = _init(CFG, src, tgt)
+  table = np.asarray(params["params"]["embed"]["embedding"])
+  emb = jax.jit(lambda p, x: Transformer(CFG).apply(p, x, method=lambda m, x: m._tgt_embed()(x)))(params, tgt)
+  np.testing.assert_allclose(emb, table[np.asarray(tgt)] * np.sqrt(CFG.d_model), rtol=1e-6)
+  y = np.random.default_rng(0).normal(size=(2, 3, CFG.d_model)).astype(np.float32)
+  logits = jax.jit(lambda p, y: Transformer(CFG).apply(p, y, method=Transformer.output_head))(params, y)
+  np.testing.assert_allclose(logits, y @ table.T, rtol=1e-4, atol=1e-4)
+  assert "logits_dense" not in params["params"]
+
+
+def test_untied_and_unshared_variants():
+  src, tgt = _batch()
+  cfg = CFG.replace(share_embeddings=False, tie_output=False)
+  p = _init(cfg, src, tgt)["params"]
+  assert {"src_embed", "tgt_embed", "logits_dense"} <= set(p)
+  assert "bias" in p["logits_dense"]
+  out = Transformer(cfg).apply({"params": p}, src, tgt)
+  assert out.shape == (3, 6, 37)
+
+
+def test_feed_forward_is_relu_mlp():
+  cfg = CFG
+  x = np.random.default_rng(0).normal(size=(2, 3, cfg.d_model)).astype(np.float32)
+  ffn = layers.FeedForward(cfg)
+  p = ffn.init(jax.random.key(0), x)["params"]
+  w1, b1, w2, b2 = (np.asarray(a) for a in (p["wi"]["kernel"], p["wi"]["bias"],
+                                            p["wo"]["kernel"], p["wo"]["bias"]))
+  want = np.maximum(0, x @ w1 + b1) @ w2 + b2
+  np.testing.assert_allclose(ffn.apply({"params": p}, x), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_add_and_norm(pre_ln):
+  cfg = CFG.replace(pre_ln=pre_ln)
+  x = np.random.default_rng(0).normal(size=(2, 3, cfg.d_model)).astype(np.float32)
+  f = lambda h: 2.0 * h + 1.0
+  mod = layers.AddNorm(cfg)
+  p = mod.init(jax.random.key(0), x, f)
+  ln = lambda h: (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-6)
+  want = x + f(ln(x)) if pre_ln else ln(x + f(x))
+  np.testing.assert_allclose(mod.apply(p, x, f), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_decoder_is_causal(pre_ln):
+  cfg = CFG.replace(pre_ln=pre_ln)
+  src, tgt = _batch()
+  params = _init(cfg, src, tgt)
+  apply = jax.jit(Transformer(cfg).apply)
+  base = np.asarray(apply(params, src, tgt))
+  for t in range(tgt.shape[1] - 1):
+    changed = tgt.at[:, t + 1:].set((tgt[:, t + 1:] - 4 + 5) % 33 + 4)
+    out = np.asarray(apply(params, src, changed))
+    np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
+    assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
+
+
+def test_source_padding_is_ignored():
+  src, tgt = _batch()
+  params = _init(CFG, src, tgt)
+  apply = jax.jit(Transformer(CFG).apply)
+  base = apply(params, src, tgt)
+  # More padding on the right changes nothing.
+  longer = jnp.pad(src, ((0, 0), (0, 4)))
+  np.testing.assert_allclose(apply(params, longer, tgt), base, atol=1e-5)
+  # With explicit segment ids, whatever tokens sit in padded slots change nothing at all.
+  seg = (src != 0).astype(jnp.int32)
+  ref = apply(params, src, tgt, src_segments=seg, tgt_segments=jnp.ones_like(tgt))
+  junk = jnp.where(seg == 0, 9, src)
+  out = apply(params, junk, tgt, src_segments=seg, tgt_segments=jnp.ones_like(tgt))
+  np.testing.assert_array_equal(out, ref)
+  np.testing.assert_allclose(ref, base, atol=1e-5)
+
+
+def test_packed_row_equals_examples_alone():
+  """Two examples packed into one row give the logits each gives alone."""
+  rng = np.random.default_rng(5)
+  s1, s2 = rng.integers(4, 37, 4), rng.integers(4, 37, 3)
+  t1, t2 = rng.integers(4, 37, 3), rng.integers(4, 37, 5)
+  params = _init(CFG, jnp.ones((1, 4), jnp.int32), jnp.ones((1, 3), jnp.int32))
+  model = Transformer(CFG)
+  src = jnp.asarray(np.concatenate([s1, s2, [0]])[None], jnp.int32)
+  tgt = jnp.asarray(np.concatenate([t1, t2, [0, 0]])[None], jnp.int32)
+  src_seg = jnp.asarray([[1] * 4 + [2] * 3 + [0]])
+  tgt_seg = jnp.asarray([[1] * 3 + [2] * 5 + [0, 0]])
+  src_pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 0]])
+  tgt_pos = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4, 0, 0]])
+  apply = jax.jit(model.apply)
+  packed = apply(params, src, tgt, src_seg, tgt_seg, src_pos, tgt_pos)
+  a = apply(params, jnp.asarray(s1[None], jnp.int32), jnp.asarray(t1[None], jnp.int32))
+  b = apply(params, jnp.asarray(s2[None], jnp.int32), jnp.asarray(t2[None], jnp.int32))
+  np.testing.assert_allclose(packed[0, :3], a[0], atol=1e-5)
+  np.testing.assert_allclose(packed[0, 3:8], b[0], atol=1e-5)
+
+
+def test_jit_equals_eager_and_gradients_are_finite():
+  src, tgt = _batch()
+  cfg = CFG.replace(dropout_rate=0.1)
+  params = _init(cfg, src, tgt)
+  model = Transformer(cfg)
+  np.testing.assert_allclose(jax.jit(model.apply)(params, src, tgt), model.apply(params, src, tgt),
+                             atol=1e-5)
+
+  def loss(p):
+    logits = model.apply(p, src, seq2seq.shift_right(tgt, 1), train=True,
+                         rngs={"dropout": jax.random.key(1)})
+    s, n = seq2seq.cross_entropy(logits, tgt, 0.1)
+    return s / n
+  grads = jax.jit(jax.grad(loss))(params)
+  leaves = jax.tree_util.tree_leaves(grads)
+  assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+  assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
+
+
+def test_dropout_only_in_training():
+  src, tgt = _batch()
+  cfg = CFG.replace(dropout_rate=0.3)
+  params = _init(cfg, src, tgt)
+  model = Transformer(cfg)
+  a = model.apply(params, src, tgt, train=True, rngs={"dropout": jax.random.key(0)})
+  b = model.apply(params, src, tgt, train=True, rngs={"dropout": jax.random.key(1)})
+  assert not np.allclose(a, b)
+  np.testing.assert_array_equal(model.apply(params, src, tgt), model.apply(params, src, tgt))
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_cached_decode_step_equals_full_decoder(pre_ln):
+  cfg = CFG.replace(pre_ln=pre_ln)
+  src, tgt = _batch()
+  params = _init(cfg, src, tgt)
+  model = Transformer(cfg)
+  full = model.apply(params, src, tgt)
+  enc = model.apply(params, src, method=Transformer.encode)
+  kv = model.apply(params, enc, method=Transformer.precompute_cross_kv)
+  cache = init_cache(cfg, src.shape[0], 10)
+  step = jax.jit(lambda p, tok, t, c: model.apply(p, tok, t, c, kv, src != 0,
+                                                  method=Transformer.decode_step))
+  for t in range(tgt.shape[1]):
+    logits, cache = step(params, tgt[:, t:t + 1], t, cache)
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+
+
+def test_bf16_compute_keeps_f32_params_and_is_close():
+  src, tgt = _batch()
+  params = _init(CFG, src, tgt)
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+  f32 = Transformer(CFG).apply(params, src, tgt)
+  bf16 = Transformer(CFG.replace(dtype="bfloat16")).apply(params, src, tgt)
+  assert bf16.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(bf16 - f32))) < 0.15
+
+
+def test_parameter_counts_match_the_paper():
+  def n(name):
+    cfg = seq2seq.get_config(name, vocab_size=37000)
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(
+        jax.random.key(0), jnp.ones((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32)))
+    return count_params(shapes["params"])
+  assert 60e6 <= n("base") <= 66e6
+  assert 205e6 <= n("big") <= 215e6
+  assert n("tiny") < n("small") < n("base")
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(d_model=30, num_heads=4), "divisible"),
+    (dict(num_heads=0), "num_heads"),
+    (dict(d_ff=-1), "d_ff"),
+    (dict(dropout_rate=1.0), "dropout_rate"),
+    (dict(attention_dropout_rate=-0.1), "attention_dropout_rate"),
+    (dict(dtype="int8"), "dtype"),
+])
+def test_invalid_config_raises_one_line_value_error(bad, msg):
+  with pytest.raises(ValueError, match=msg) as e:
+    TransformerConfig(**bad)
+  assert "\n" not in str(e.value)
+
+
+def test_unknown_preset():
+  with pytest.raises(ConfigError, match="unknown preset"):
+    seq2seq.get_config("huge")
+  assert dataclasses.is_dataclass(seq2seq.get_config("base"))
