@@ -1,0 +1,529 @@
+"""Decoding: greedy, sampling (temperature, top-k, top-p) and beam search.
+
+One entry point, `decode(model_or_config, params, src_BxS, strategy, bos_id=, eos_id=)`,
+serves the CLI, the training eval loop and the notebooks. Per call it runs ONE jitted
+function: encode the source once, project each decoder layer's cross-attention keys/values
+once, then a `lax.while_loop` that feeds one token per step through `Transformer.decode_step`
+with a preallocated self-attention KV cache ([rows, max_len, heads, head_dim], written in
+place). The loop stops as soon as every row has finished. Compiled once per (batch, source
+length, max_len, strategy, ...) and cached by `jax.jit`; params are an argument, never a
+closed-over constant, so new params (e.g. a new checkpoint) reuse the compiled code.
+
+A strategy is data, validated at construction (`UserError`, one line):
+
+  Greedy()                                     argmax at every step
+  Sample(temperature=1.0, top_k=0, top_p=1.0)  ancestral sampling, optionally filtered
+  Beam(size=4, alpha=0.6, n_best=1)            beam search, GNMT length penalty
+
+The two search cores, `sample_search` and `beam_search`, take a `tokens_to_logits(seq_NxL1,
+index, state) -> (logits_NxV, state)` function instead of the Transformer, so they can be
+tested on hand-built distributions. `seq_NxL1` holds the tokens fed so far (BOS at position
+0, the token fed at step `index` at position `index`, pad after); `state` is any pytree
+whose leaves have the rows as leading axis (the KV cache for the Transformer).
+
+Conventions shared by every strategy:
+  * Step i feeds the token at position i (BOS at i=0) and chooses output token i.
+  * The pad token is never generated; EOS is not allowed before `min_len` tokens.
+  * A row stops at EOS or at its length limit: `max_len` if given, else its own source
+    length (non-pad tokens) + 50 as in the paper; never more than `config.max_len`, the
+    positions the model knows. Because the default limit is per row, a batch decodes
+    exactly as each of its sources alone.
+  * Lengths count generated tokens, EOS included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from seq2seq.config import TransformerConfig
+from seq2seq.errors import UserError
+from seq2seq.model import Transformer, init_cache
+
+EXTRA_LEN = 50  # default length limit: source length + 50 (paper, section 6.1)
+NEG_INF = -jnp.inf
+
+
+class StrategyError(UserError):
+  """An invalid decoding strategy or decoding argument."""
+
+
+def _check(cond: bool, msg: str):
+  if not cond:
+    raise StrategyError(msg)
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------------------
+# Strategies.
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+  """The most probable token at every step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """Sample from softmax(logits / temperature), restricted to the `top_k` most probable
+  tokens (0 = all) and to the smallest set whose probability reaches `top_p` (1 = all)."""
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    _check(_is_real(self.temperature) and math.isfinite(self.temperature)
+           and self.temperature > 0,
+           f"temperature must be > 0 for sampling, got {self.temperature!r} "
+           f"(use the greedy strategy for argmax decoding)")
+    _check(_is_int(self.top_k) and self.top_k >= 0,
+           f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
+    _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+           f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Beam:
+  """Beam search of `size` hypotheses, ranked by log p / ((5 + length) / 6) ** alpha
+  (GNMT length penalty; length counts EOS); returns the `n_best` best. Paper: 4, 0.6."""
+  size: int = 4
+  alpha: float = 0.6
+  n_best: int = 1
+
+  def __post_init__(self):
+    _check(_is_int(self.size) and self.size >= 1,
+           f"beam size must be an integer >= 1, got {self.size!r}")
+    _check(_is_real(self.alpha) and math.isfinite(self.alpha) and self.alpha >= 0,
+           f"length penalty alpha must be >= 0, got {self.alpha!r}")
+    _check(_is_int(self.n_best) and 1 <= self.n_best <= self.size,
+           f"n_best must be an integer in [1, beam size {self.size!r}], got {self.n_best!r}")
+
+
+Strategy = Greedy | Sample | Beam
+STRATEGIES = ("greedy", "sample", "beam")
+
+
+def get_strategy(name: str, *, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, beam_size: int | None = None,
+                 alpha: float | None = None, n_best: int | None = None) -> Strategy:
+  """A strategy from flag-like values (None = not given); options that do not apply to the
+  strategy raise `UserError`, e.g. top_k with beam search."""
+  given = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                 beam_size=beam_size, alpha=alpha, n_best=n_best).items()
+           if v is not None}
+  allowed = {"greedy": (), "sample": ("temperature", "top_k", "top_p"),
+             "beam": ("beam_size", "alpha", "n_best")}
+  _check(name in allowed, f"unknown decoding strategy {name!r}; choose one of "
+         + ", ".join(STRATEGIES))
+  extra = [k for k in given if k not in allowed[name]]
+  _check(not extra, f"{', '.join(extra)} cannot be used with {name} decoding"
+         + (f" (it takes {', '.join(allowed[name])})" if allowed[name] else ""))
+  if name == "greedy":
+    return Greedy()
+  if name == "sample":
+    return Sample(**given)
+  return Beam(**{{"beam_size": "size"}.get(k, k): v for k, v in given.items()})
+
+
+# ---------------------------------------------------------------------------------------
+# Results.
+
+class DecodeResult(NamedTuple):
+  """What `decode` returns (numpy arrays once out of `decode`).
+
+  tokens  [B, n, L] int32: n = 1 for greedy/sampling, n = n_best for beam (best first).
+          Generated tokens without BOS, EOS included, pad_id after the end.
+  scores  [B, n] float32: greedy/sampling: total log-probability of the tokens under the
+          model (pad and too-early EOS excluded from the softmax); beam: that total divided
+          by ((5 + length) / 6) ** alpha. -inf for an empty beam slot.
+  lengths [B, n] int32: number of generated tokens, EOS included.
+  logits  [B, L, V] float32 raw logits at each step (greedy/sampling with
+          return_logits=True), else None.
+  """
+  tokens: Any
+  scores: Any
+  lengths: Any
+  logits: Any = None
+
+  @property
+  def best(self):
+    """[B, L] tokens of the best (or only) hypothesis."""
+    return self.tokens[:, 0]
+
+  def token_lists(self, eos_id: int, n: int = 0) -> list[list[int]]:
+    """Hypothesis `n` of each row as a list of ids, EOS and padding removed."""
+    toks, lens = np.asarray(self.tokens[:, n]), np.asarray(self.lengths[:, n])
+    out = []
+    for row, length in zip(toks, lens):
+      ids = row[:length].tolist()
+      out.append(ids[:-1] if ids and ids[-1] == eos_id else ids)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Search cores: pure, jittable, model-agnostic.
+
+TokensToLogits = Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _allowed_logits(logits_NxV, length, *, eos_id, pad_id, min_len):
+  """float32 logits with pad (always) and EOS (while length < min_len) set to -inf;
+  `length` is the hypothesis length if this step's token ends it."""
+  logits_NxV = logits_NxV.astype(jnp.float32)
+  vocab = jnp.arange(logits_NxV.shape[-1])
+  banned = vocab == pad_id
+  if min_len > 0:
+    banned = banned | ((vocab == eos_id) & (length < min_len))
+  return jnp.where(banned, NEG_INF, logits_NxV)
+
+
+def filter_logits(logits_NxV, strategy: Sample):
+  """Temperature, then top-k, then top-p (nucleus): excluded tokens get -inf."""
+  x = logits_NxV / jnp.float32(strategy.temperature)
+  vocab = x.shape[-1]
+  if 0 < strategy.top_k < vocab:
+    kth = lax.top_k(x, strategy.top_k)[0][..., -1:]
+    x = jnp.where(x < kth, NEG_INF, x)
+  if strategy.top_p < 1.0:
+    sorted_x = -jnp.sort(-x, axis=-1)                       # descending
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs             # mass of strictly better tokens
+    n_keep = jnp.maximum(jnp.sum(before < strategy.top_p, axis=-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(sorted_x, n_keep - 1, axis=-1)
+    x = jnp.where(x < threshold, NEG_INF, x)
+  return x
+
+
+def sample_search(tokens_to_logits: TokensToLogits, state, *, batch_size: int,
+                  strategy: Greedy | Sample, max_len: int, limits_B, bos_id: int,
+                  eos_id: int, pad_id: int, min_len: int = 0, rng=None,
+                  return_logits: bool = False) -> DecodeResult:
+  """Greedy or sampling decoding of `batch_size` rows in one `lax.while_loop`.
+
+  `limits_B` [B] int: each row's length limit (<= max_len). Returns a DecodeResult of jax
+  arrays with n = 1.
+  """
+  B, L = batch_size, max_len
+  limits_B = jnp.asarray(limits_B, jnp.int32)
+
+  def cond(c):
+    return (c["i"] < L) & ~jnp.all(c["done"])
+
+  def body(c):
+    i, done = c["i"], c["done"]
+    raw_BxV, state = tokens_to_logits(c["seq"], i, c["state"])
+    raw_BxV = raw_BxV.astype(jnp.float32)
+    x_BxV = _allowed_logits(raw_BxV, i + 1, eos_id=eos_id, pad_id=pad_id, min_len=min_len)
+    if isinstance(strategy, Greedy):
+      tok_B = jnp.argmax(x_BxV, axis=-1)
+    else:
+      tok_B = jax.random.categorical(jax.random.fold_in(rng, i),
+                                     filter_logits(x_BxV, strategy), axis=-1)
+    tok_B = tok_B.astype(jnp.int32)
+    logp_B = (jnp.take_along_axis(x_BxV, tok_B[:, None], axis=-1)[:, 0]
+              - jax.nn.logsumexp(x_BxV, axis=-1))
+    tok_B = jnp.where(done, pad_id, tok_B)
+    new = dict(
+        i=i + 1, state=state,
+        seq=lax.dynamic_update_slice(c["seq"], tok_B[:, None], (0, i + 1)),
+        score=c["score"] + jnp.where(done, 0.0, logp_B),
+        length=jnp.where(done, c["length"], i + 1),
+        done=done | (tok_B == eos_id) | (i + 1 >= limits_B))
+    if return_logits:
+      new["logits"] = lax.dynamic_update_slice(c["logits"], raw_BxV[:, None], (0, i, 0))
+    return new
+
+  seq = jnp.full((B, L + 1), pad_id, jnp.int32).at[:, 0].set(bos_id)
+  carry = dict(i=jnp.int32(0), seq=seq, state=state, done=jnp.zeros((B,), bool),
+               score=jnp.zeros((B,), jnp.float32), length=jnp.zeros((B,), jnp.int32))
+  if return_logits:
+    vocab = jax.eval_shape(tokens_to_logits, seq, jnp.int32(0), state)[0].shape[-1]
+    carry["logits"] = jnp.zeros((B, L, vocab), jnp.float32)
+  c = lax.while_loop(cond, body, carry)
+  return DecodeResult(tokens=c["seq"][:, None, 1:], scores=c["score"][:, None],
+                      lengths=c["length"][:, None], logits=c.get("logits"))
+
+
+def length_penalty(length, alpha: float):
+  """GNMT: ((5 + length) / 6) ** alpha."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def beam_search(tokens_to_logits: TokensToLogits, state, *, batch_size: int, beam: Beam,
+                max_len: int, limits_B, bos_id: int, eos_id: int, pad_id: int,
+                min_len: int = 0) -> DecodeResult:
+  """Beam search in one `lax.while_loop`; rows of `tokens_to_logits` and of `state` are
+  batch-major beams (row b * size + k).
+
+  Per row: `size` alive hypotheses (no EOS yet) ranked by log-probability, and up to
+  `size` finished ones (ended by EOS) ranked by log-probability / length penalty. Each step
+  takes the best `size` extensions of the alive hypotheses: those ending with EOS join the
+  finished set, and the best `size` extensions not ending with EOS become the alive set
+  (the state, e.g. the KV cache, follows its parents). A row stops at its length limit, or
+  when its n_best-th finished score beats the best score any alive hypothesis could still
+  reach (its log-probability can only fall and, with alpha >= 0, the penalty is largest at
+  the limit). If fewer than n_best hypotheses finished, the best alive ones cut at the limit
+  fill the list (finished ones always rank first). With size 1 and alpha 0 this is greedy.
+  """
+  B, K, L, alpha = batch_size, beam.size, max_len, float(beam.alpha)
+  limits_B = jnp.asarray(limits_B, jnp.int32)
+  seq0 = jnp.full((B, K, L + 1), pad_id, jnp.int32).at[:, :, 0].set(bos_id)
+
+  def cond(c):
+    return (c["i"] < L) & ~jnp.all(c["done"])
+
+  def body(c):
+    i, done, length = c["i"], c["done"], c["i"] + 1
+    logits, state = tokens_to_logits(c["alive_seq"].reshape(B * K, L + 1), i, c["state"])
+    x = _allowed_logits(logits, length, eos_id=eos_id, pad_id=pad_id, min_len=min_len)
+    logp_BxKxV = jax.nn.log_softmax(x, axis=-1).reshape(B, K, -1)
+    vocab = logp_BxKxV.shape[-1]
+    cand_BxKxV = c["alive_logp"][:, :, None] + logp_BxKxV
+
+    # The best 2K extensions hold at least K that do not end with EOS (there are only K
+    # EOS extensions, one per alive hypothesis).
+    top_score, top_flat = lax.top_k(cand_BxKxV.reshape(B, K * vocab), 2 * K)
+    top_parent, top_tok = top_flat // vocab, (top_flat % vocab).astype(jnp.int32)
+    top_seq = jnp.take_along_axis(c["alive_seq"], top_parent[:, :, None], axis=1)
+    top_is_eos = top_tok == eos_id
+
+    # Finished: EOS extensions among the best K join the finished set (as in fairseq; so a
+    # beam of one with alpha = 0 is exactly greedy), which keeps its best K.
+    new_fin_score = jnp.where(top_is_eos[:, :K],
+                              top_score[:, :K] / length_penalty(length, alpha), NEG_INF)
+    new_fin_seq = lax.dynamic_update_slice(top_seq[:, :K], jnp.full((B, K, 1), eos_id,
+                                                                    jnp.int32), (0, 0, length))
+    fin_score, pick = lax.top_k(jnp.concatenate([c["fin_score"], new_fin_score], 1), K)
+    fin_seq = jnp.take_along_axis(jnp.concatenate([c["fin_seq"], new_fin_seq], 1),
+                                  pick[:, :, None], axis=1)
+    fin_len = jnp.take_along_axis(
+        jnp.concatenate([c["fin_len"], jnp.full((B, K), length, jnp.int32)], 1), pick, 1)
+
+    # Alive: the best K extensions that do not end with EOS; the state follows its parents.
+    alive_logp, pick = lax.top_k(jnp.where(top_is_eos, NEG_INF, top_score), K)
+    parent = jnp.take_along_axis(top_parent, pick, 1)
+    alive_seq = jnp.take_along_axis(top_seq, pick[:, :, None], axis=1)
+    alive_seq = lax.dynamic_update_slice(
+        alive_seq, jnp.take_along_axis(top_tok, pick, 1)[:, :, None], (0, 0, length))
+    rows = (jnp.arange(B)[:, None] * K + parent).reshape(B * K)
+    state = jax.tree_util.tree_map(lambda s: jnp.take(s, rows, axis=0), state)
+
+    # Rows that were already done keep everything (their state is never read again).
+    def keep(old, new):
+      return jnp.where(done.reshape((B,) + (1,) * (new.ndim - 1)), old, new)
+
+    new = dict(alive_seq=keep(c["alive_seq"], alive_seq),
+               alive_logp=keep(c["alive_logp"], alive_logp),
+               fin_seq=keep(c["fin_seq"], fin_seq), fin_score=keep(c["fin_score"], fin_score),
+               fin_len=keep(c["fin_len"], fin_len))
+    best_possible = new["alive_logp"][:, 0] / length_penalty(limits_B, alpha)
+    settled = new["fin_score"][:, beam.n_best - 1] > best_possible
+    dead = new["alive_logp"][:, 0] == NEG_INF
+    return dict(new, i=length, state=state, alive_len=jnp.where(done, c["alive_len"], length),
+                done=done | (length >= limits_B) | settled | dead)
+
+  carry = dict(
+      i=jnp.int32(0), state=state, done=jnp.zeros((B,), bool),
+      alive_seq=seq0, alive_len=jnp.zeros((B,), jnp.int32),
+      alive_logp=jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1)),
+      fin_seq=seq0, fin_score=jnp.full((B, K), NEG_INF, jnp.float32),
+      fin_len=jnp.zeros((B, K), jnp.int32))
+  c = lax.while_loop(cond, body, carry)
+
+  # n-best: finished hypotheses first (by score), then alive ones cut at the limit.
+  alive_score = c["alive_logp"] / length_penalty(c["alive_len"][:, None], alpha)
+  score = jnp.concatenate([c["fin_score"], alive_score], 1)
+  is_fin = jnp.concatenate([c["fin_score"] > NEG_INF, jnp.zeros((B, K), bool)], 1)
+  order = jnp.lexsort((-score, ~is_fin), axis=-1)[:, :beam.n_best]
+  score = jnp.take_along_axis(score, order, 1)
+  seq = jnp.take_along_axis(jnp.concatenate([c["fin_seq"], c["alive_seq"]], 1),
+                            order[:, :, None], 1)
+  lengths = jnp.take_along_axis(
+      jnp.concatenate([c["fin_len"], jnp.broadcast_to(c["alive_len"][:, None], (B, K))], 1),
+      order, 1)
+  empty = score == NEG_INF
+  lengths = jnp.where(empty, 0, lengths)
+  tokens = jnp.where(empty[:, :, None], pad_id, seq[:, :, 1:])
+  return DecodeResult(tokens=tokens, scores=score, lengths=lengths)
+
+
+# ---------------------------------------------------------------------------------------
+# The Transformer behind `tokens_to_logits`.
+
+def _variables(params):
+  return params if "params" in params else {"params": params}
+
+
+def _repeat_rows(tree, n: int):
+  return tree if n == 1 else jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), tree)
+
+
+def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_len: int,
+                                 repeat: int = 1, pad_id: int = 0,
+                                 full_recompute: bool = False):
+  """(tokens_to_logits, initial state) for B * repeat rows (row b * repeat + r decodes
+  source b). Encodes the source and projects the cross-attention keys/values once.
+
+  Cached: feeds one token per step to `decode_step`; the state is the KV cache.
+  full_recompute: the benchmark's baseline; re-runs the teacher-forced decoder on the whole
+  [rows, max_len] buffer every step (causal masking makes it equal) and keeps no state.
+  """
+  cfg = model.config
+  encoded_BxSxD = model.apply(variables, src_BxS, method=Transformer.encode)
+  if full_recompute:
+    encoded, src = _repeat_rows((encoded_BxSxD, src_BxS), repeat)
+
+    def full_tokens_to_logits(seq_NxL1, index, state):
+      logits_NxLxV = model.apply(variables, encoded, src, seq_NxL1[:, :max_len],
+                                 method=Transformer.decode)
+      return lax.dynamic_index_in_dim(logits_NxLxV, index, axis=1, keepdims=False), state
+
+    return full_tokens_to_logits, ()
+
+  cross_kv = _repeat_rows(
+      model.apply(variables, encoded_BxSxD, method=Transformer.precompute_cross_kv), repeat)
+  src_valid = _repeat_rows(src_BxS != pad_id, repeat)
+
+  def cached_tokens_to_logits(seq_NxL1, index, cache):
+    tokens_Nx1 = lax.dynamic_slice_in_dim(seq_NxL1, index, 1, axis=1)
+    logits_Nx1xV, cache = model.apply(variables, tokens_Nx1, index, cache, cross_kv, src_valid,
+                                      method=Transformer.decode_step)
+    return logits_Nx1xV[:, 0], cache
+
+  return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "strategy", "max_len", "per_row_limit", "bos_id", "eos_id", "pad_id", "min_len",
+    "full_recompute", "return_logits"))
+def _decode_jit(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_len: int,
+                per_row_limit: bool, bos_id: int, eos_id: int, pad_id: int, min_len: int,
+                full_recompute: bool, return_logits: bool) -> DecodeResult:
+  model = Transformer(cfg)
+  batch = src_BxS.shape[0]
+  if per_row_limit:
+    src_len_B = jnp.sum(src_BxS != pad_id, axis=1).astype(jnp.int32)
+    limits_B = jnp.minimum(src_len_B + EXTRA_LEN, max_len)
+  else:
+    limits_B = jnp.full((batch,), max_len, jnp.int32)
+  ids = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, min_len=min_len)
+  repeat = strategy.size if isinstance(strategy, Beam) else 1
+  fn, state = transformer_tokens_to_logits(model, params, src_BxS, max_len=max_len,
+                                           repeat=repeat, pad_id=pad_id,
+                                           full_recompute=full_recompute)
+  if isinstance(strategy, Beam):
+    return beam_search(fn, state, batch_size=batch, beam=strategy, max_len=max_len,
+                       limits_B=limits_B, **ids)
+  return sample_search(fn, state, batch_size=batch, strategy=strategy, max_len=max_len,
+                       limits_B=limits_B, rng=rng, return_logits=return_logits, **ids)
+
+
+def _as_key(rng):
+  if rng is None:
+    return jax.random.key(0)
+  if _is_int(rng):
+    return jax.random.key(int(rng))
+  rng = jnp.asarray(rng)
+  return rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+
+
+def decode(model_or_config: Transformer | TransformerConfig, params, src_BxS,
+           strategy: Strategy = Greedy(), *, bos_id: int, eos_id: int,
+           max_len: int | None = None, rng=None, pad_id: int = 0, min_len: int = 0,
+           full_recompute: bool = False, return_logits: bool = False) -> DecodeResult:
+  """Decodes a batch of sources. Returns a DecodeResult of numpy arrays (see its docstring:
+  tokens [B, n, L] with n = 1 or n_best, scores [B, n], lengths [B, n]).
+
+  params: the model's variables ({"params": ...}) or the bare params tree.
+  src_BxS: int source ids, EOS-terminated, right-padded with pad_id.
+  max_len: output buffer length L and every row's limit; None = per row source length + 50,
+    buffer S + 50; both capped at config.max_len.
+  rng: key, raw key data or int seed for sampling (None = seed 0, so runs are repeatable).
+  min_len: EOS is forbidden until a hypothesis would have this many tokens (EOS included).
+  full_recompute: uncached baseline (benchmark only): same loop, whole decoder every step.
+  return_logits: also return the raw logits of every step (greedy/sampling only).
+  """
+  cfg = model_or_config.config if isinstance(model_or_config, Transformer) else model_or_config
+  _check(isinstance(cfg, TransformerConfig),
+         f"decode needs a Transformer or TransformerConfig, got {type(cfg).__name__}")
+  _check(isinstance(strategy, (Greedy, Sample, Beam)),
+         f"strategy must be Greedy(), Sample(...) or Beam(...), got {strategy!r}")
+  src_BxS = jnp.asarray(src_BxS)
+  _check(src_BxS.ndim == 2 and jnp.issubdtype(src_BxS.dtype, jnp.integer),
+         f"source must be a [batch, length] integer array, got {src_BxS.dtype}{src_BxS.shape}")
+  batch, src_len = src_BxS.shape
+  _check(batch > 0 and src_len > 0, f"empty source batch of shape {src_BxS.shape}")
+  _check(src_len <= cfg.max_len, f"source length {src_len} exceeds the model's "
+         f"max_len {cfg.max_len}")
+  for name, v in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+    _check(_is_int(v) and 0 <= v < cfg.vocab_size,
+           f"{name} must be a token id in [0, {cfg.vocab_size}), got {v!r}")
+  _check(len({bos_id, eos_id, pad_id}) == 3,
+         f"bos_id, eos_id and pad_id must differ, got {bos_id}, {eos_id}, {pad_id}")
+  if max_len is None:
+    max_len, per_row_limit = min(src_len + EXTRA_LEN, cfg.max_len), True
+  else:
+    _check(_is_int(max_len) and 1 <= max_len <= cfg.max_len,
+           f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
+    per_row_limit = False
+  _check(_is_int(min_len) and min_len >= 0, f"min_len must be an integer >= 0, got {min_len!r}")
+  _check(not (return_logits and isinstance(strategy, Beam)),
+         "return_logits is only available for greedy and sampling")
+  out = _decode_jit(_variables(params), src_BxS.astype(jnp.int32), _as_key(rng), cfg=cfg,
+                    strategy=strategy, max_len=int(max_len), per_row_limit=per_row_limit,
+                    bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id),
+                    min_len=int(min_len), full_recompute=bool(full_recompute),
+                    return_logits=bool(return_logits))
+  return DecodeResult(*(None if x is None else np.asarray(x) for x in out))
+
+
+# ---------------------------------------------------------------------------------------
+# Sentences in, sentences out.
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
+              strategy: Strategy = Greedy(), *, batch_size: int = 64, length_multiple: int = 16,
+              max_len: int | None = None, rng=None) -> list[str]:
+  """Translates `sentences`, returning the best hypothesis of each, in input order.
+
+  Sources are `tokenizer.encode(s) + [eos]`. Sentences are sorted by length and batched;
+  each batch is padded to a multiple of `length_multiple` tokens and to a power-of-two
+  number of rows (at most batch_size), so few shapes are compiled and reused.
+  """
+  _check(_is_int(batch_size) and batch_size >= 1, f"batch_size must be >= 1, got {batch_size!r}")
+  pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
+  srcs = [list(tokenizer.encode(s)) + [eos] for s in sentences]
+  for i, s in enumerate(srcs):
+    _check(len(s) <= cfg.max_len, f"sentence {i} has {len(s)} tokens (EOS included); the "
+           f"model reads at most {cfg.max_len}")
+  order = sorted(range(len(srcs)), key=lambda i: len(srcs[i]))
+  key = _as_key(rng)
+  out: list[str | None] = [None] * len(srcs)
+  for n, start in enumerate(range(0, len(order), batch_size)):
+    idx = order[start:start + batch_size]
+    rows = min(batch_size, 1 << (len(idx) - 1).bit_length())
+    width = min(_round_up(max(len(srcs[i]) for i in idx), length_multiple), cfg.max_len)
+    src = np.full((rows, width), pad, np.int32)
+    src[len(idx):, 0] = eos                     # filler rows: an empty sentence
+    for r, i in enumerate(idx):
+      src[r, :len(srcs[i])] = srcs[i]
+    res = decode(cfg, params, src, strategy, bos_id=int(tokenizer.bos_id), eos_id=eos,
+                 pad_id=pad, max_len=max_len, rng=jax.random.fold_in(key, n))
+    for r, ids in enumerate(res.token_lists(eos)[:len(idx)]):
+      out[idx[r]] = tokenizer.decode(ids)
+  return out
