@@ -89,7 +89,9 @@ class MultiHeadAttention(nn.Module):
     heads = (cfg.num_heads, cfg.head_dim)
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     self.query = Dense(heads, **kw)
-    self.key = Dense(heads, **kw)
+    # No key bias: q·(k + b) shifts every score of a query by the same q·b, which softmax
+    # ignores, so that bias would only ever get a (numerically noisy) zero gradient.
+    self.key = Dense(heads, use_bias=False, **kw)
     self.value = Dense(heads, **kw)
     self.out = Dense(cfg.d_model, contract=2, **kw)
 

@@ -1,0 +1,162 @@
+"""The workdir and its Orbax checkpoints.
+
+    <workdir>/config.json        the whole Config of the run
+    <workdir>/vocab.model        the SentencePiece vocabulary
+    <workdir>/checkpoints/<step>/state   TrainState (params, optimizer state, step)
+    <workdir>/checkpoints/<step>/meta    JSON: step, data position, config
+    <workdir>/metrics.jsonl, <workdir>/tensorboard/
+
+The workdir alone restores everything: `load_workdir(workdir)` gives config, parameters
+and tokenizer, with no flags.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from seq2seq.config import Config, ConfigError
+from seq2seq.errors import UserError
+
+log = logging.getLogger("seq2seq")
+
+CONFIG_FILE = "config.json"
+VOCAB_FILE = "vocab.model"
+CKPT_DIR = "checkpoints"
+
+
+def config_path(workdir) -> Path:
+  return Path(workdir) / CONFIG_FILE
+
+
+def vocab_path(workdir) -> Path:
+  return Path(workdir) / VOCAB_FILE
+
+
+def read_config(workdir) -> Config | None:
+  path = config_path(workdir)
+  if not path.exists():
+    return None
+  try:
+    return Config.from_dict(json.loads(path.read_text()))
+  except (json.JSONDecodeError, ConfigError) as e:
+    raise UserError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
+
+
+def write_config(workdir, cfg: Config) -> None:
+  """Atomic write (temp file + rename): a crash never leaves half a config."""
+  path = config_path(workdir)
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(cfg.to_json())
+  os.replace(tmp, path)
+
+
+class Checkpoints:
+  """Orbax `CheckpointManager` over `<workdir>/checkpoints`: async saves, keep the last K,
+  restore the newest checkpoint that reads back, skipping broken ones with a warning."""
+
+  def __init__(self, workdir, keep: int = 3, async_save: bool = True, read_only: bool = False):
+    self.directory = (Path(workdir) / CKPT_DIR).absolute()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=not read_only, read_only=read_only,
+        enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=("state", "meta"))
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, state, meta: dict) -> None:
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+
+  def restore(self, abstract_state, step: int | None = None):
+    """(state, meta) of `step`, or of the newest readable checkpoint; None if there is none."""
+    candidates = [step] if step is not None else self.steps()[::-1]
+    if step is not None and step not in self.steps():
+      raise UserError(f"{self.directory}: no checkpoint at step {step} "
+                      f"(have: {', '.join(map(str, self.steps())) or 'none'})")
+    for s in candidates:
+      try:
+        restored = self.manager.restore(s, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        return restored["state"], restored["meta"]
+      except Exception as e:  # a partial or corrupt checkpoint: fall back to the previous one
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        if step is not None:
+          raise UserError(f"checkpoint {self.directory / str(s)} is unreadable: {msg}") from None
+        warnings.warn(f"skipping unreadable checkpoint {self.directory / str(s)}: {msg}")
+    return None
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_state(cfg: Config):
+  """Shapes and dtypes of the TrainState of `cfg` (nothing is computed)."""
+  from seq2seq import train_lib
+  return jax.eval_shape(lambda: train_lib.init_state(cfg, jax.random.key(0)))
+
+
+def load_workdir(workdir, step: int | None = None):
+  """(config, params, tokenizer) from a workdir written by train.py, on the default device."""
+  from seq2seq.data import Tokenizer
+  workdir = Path(workdir)
+  if not workdir.is_dir():
+    raise UserError(f"workdir {workdir} does not exist")
+  cfg = read_config(workdir)
+  if cfg is None:
+    raise UserError(f"{workdir} holds no {CONFIG_FILE}: is it a train.py workdir?")
+  if not vocab_path(workdir).exists():
+    raise UserError(f"{workdir} holds no {VOCAB_FILE}")
+  ckpts = Checkpoints(workdir, read_only=True)
+  if not ckpts.steps():
+    raise UserError(f"{workdir} holds no checkpoint")
+  device = jax.local_devices()[0]
+  target = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=jax.sharding.SingleDeviceSharding(device)),
+      abstract_state(cfg))
+  try:
+    restored = ckpts.restore(target, step)
+  except (ValueError, TypeError) as e:
+    if isinstance(e, UserError):
+      raise
+    raise UserError(f"{workdir}: checkpoint does not match its config.json "
+                    f"({str(e).splitlines()[0][:160]})") from None
+  if restored is None:
+    raise UserError(f"{workdir}: no readable checkpoint (all were skipped)")
+  state, _ = restored
+  return cfg, state.params, Tokenizer.load(str(vocab_path(workdir)))
+
+
+def average_checkpoints(workdir, last: int = 5):
+  """Mean of the parameters of the last `last` checkpoints (the paper averaged 5)."""
+  cfg = read_config(workdir)
+  if cfg is None:
+    raise UserError(f"{workdir} holds no {CONFIG_FILE}")
+  ckpts = Checkpoints(workdir, read_only=True)
+  steps = ckpts.steps()[-last:]
+  if not steps:
+    raise UserError(f"{workdir} holds no checkpoint")
+  device = jax.local_devices()[0]
+  target = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=jax.sharding.SingleDeviceSharding(device)),
+      abstract_state(cfg))
+  total = None
+  for s in steps:
+    state, _ = ckpts.restore(target, s)
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), state.params)
+    total = p if total is None else jax.tree_util.tree_map(np.add, total, p)
+  return steps, jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)

@@ -1,0 +1,67 @@
+"""Translation metrics and the run's logs (JSON lines + TensorBoard, no TensorFlow)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import sacrebleu
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> float:
+  """Corpus BLEU (sacreBLEU, 13a tokenisation), 0-100."""
+  if not hypotheses:
+    return 0.0
+  return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+def chrf(hypotheses: list[str], references: list[str]) -> float:
+  if not hypotheses:
+    return 0.0
+  return float(sacrebleu.corpus_chrf(hypotheses, [references]).score)
+
+
+def exact_match(hypotheses: list[str], references: list[str]) -> float:
+  """Fraction of hypotheses equal to their reference after stripping outer white space."""
+  if not hypotheses:
+    return 0.0
+  return sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / len(hypotheses)
+
+
+class MetricsWriter:
+  """Appends `{"step", "time", "split", ...}` lines to metrics.jsonl and scalars to
+  TensorBoard event files. Only process 0 writes (others get a writer that does nothing)."""
+
+  def __init__(self, workdir, enabled: bool = True):
+    self.enabled = enabled
+    self._tb = None
+    if not enabled:
+      return
+    self.path = Path(workdir) / "metrics.jsonl"
+    try:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), flush_secs=30)
+    except Exception:  # TensorBoard is a nicety; the JSON log is the record.
+      self._tb = None
+
+  def write(self, step: int, split: str, scalars: dict) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), "time": round(time.time(), 3), "split": split}
+    row.update({k: float(v) for k, v in scalars.items()})
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for k, v in scalars.items():
+        self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(workdir) -> list[dict]:
+  path = Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,440 @@
+"""Training: TrainState, the jitted train/eval steps over a Mesh, the loop, evaluation.
+
+Everything here is importable from a notebook; train.py only parses flags and calls `train`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from seq2seq import checkpoint as ckpt_lib
+from seq2seq import config as config_lib
+from seq2seq import metrics as metrics_lib
+from seq2seq import sharding as shd
+from seq2seq.config import Config
+from seq2seq.errors import UserError
+from seq2seq.losses import accuracy, cross_entropy, shift_right
+from seq2seq.model import Transformer
+from seq2seq.optim import make_optimizer, warmup_rsqrt_schedule
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array          # number of updates applied so far
+  params: Any
+  opt_state: Any
+
+
+class NonFiniteLoss(UserError):
+  pass
+
+
+def schedule(cfg: Config) -> Callable:
+  return warmup_rsqrt_schedule(cfg.model.d_model, cfg.train.warmup_steps,
+                               cfg.train.learning_rate_scale)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+  t = cfg.train
+  return make_optimizer(schedule(cfg), b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
+                        clip_grad_norm=t.clip_grad_norm, weight_decay=t.weight_decay)
+
+
+def init_state(cfg: Config, rng: jax.Array) -> TrainState:
+  dummy = jnp.ones((1, 8), jnp.int32)
+  params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer(cfg).init(params))
+
+
+# --- the steps ----------------------------------------------------------------------------
+
+def _forward(cfg: Config, params, batch: dict, bos_id: int, train: bool, rng=None):
+  """Teacher forcing: logits for every target position from the right-shifted target."""
+  tgt_in = shift_right(batch["tgt"], bos_id, batch.get("tgt_segments"))
+  return Transformer(cfg.model).apply(
+      {"params": params}, batch["src"], tgt_in, batch.get("src_segments"),
+      batch.get("tgt_segments"), batch.get("src_positions"), batch.get("tgt_positions"),
+      train=train, rngs=None if rng is None else {"dropout": rng})
+
+
+def _loss_and_metrics(cfg, params, batch, bos_id, rng):
+  logits = _forward(cfg, params, batch, bos_id, True, rng)
+  loss_sum, n = cross_entropy(logits, batch["tgt"], cfg.train.label_smoothing)
+  correct, _ = accuracy(logits, batch["tgt"])
+  return loss_sum, {"loss_sum": loss_sum, "tokens": n, "correct": correct}
+
+
+def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> tuple:
+  """One update. Gradients are of the summed loss over the whole (global) batch divided by
+  its number of target tokens, so the result does not depend on how the batch is split
+  across devices or micro-batches. A non-finite loss leaves the state unchanged."""
+  rng = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
+  grad_fn = jax.grad(lambda p, b, r: _loss_and_metrics(cfg, p, b, bos_id, r), has_aux=True)
+  k = cfg.train.grad_accum_steps
+  if k == 1:
+    grads, m = grad_fn(state.params, batch, rng)
+  else:
+    micro = jax.tree_util.tree_map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+    def body(carry, i):
+      g, m = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[i], micro),
+                     jax.random.fold_in(rng, i))
+      return jax.tree_util.tree_map(jnp.add, carry, (g, m)), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, (state.params, {
+        "loss_sum": jnp.zeros(()), "tokens": jnp.zeros(()), "correct": jnp.zeros(())}))
+    (grads, m), _ = jax.lax.scan(body, zeros, jnp.arange(k))
+  n = jnp.maximum(m["tokens"], 1.0)
+  grads = jax.tree_util.tree_map(lambda g: g / n, grads)
+  updates, opt_state = optimizer(cfg).update(grads, state.opt_state, state.params)
+  new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                   opt_state=opt_state)
+  finite = jnp.isfinite(m["loss_sum"]) & jnp.isfinite(optax.global_norm(grads))
+  new = jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new,
+                               state.replace(step=state.step + 1))
+  m = dict(m, grad_norm=optax.global_norm(grads),
+           first_bad_step=jnp.where(finite, _NO_STEP, state.step + 1))
+  return new, m
+
+
+_NO_STEP = 2 ** 30
+_DEBUG_SIGKILL_AT = int(os.environ.get("SEQ2SEQ_DEBUG_SIGKILL_AT_STEP", "-1"))
+
+
+def _accumulate(acc: dict | None, m: dict) -> dict:
+  if acc is None:
+    return m
+  return {k: jnp.minimum(acc[k], v) if k == "first_bad_step" else acc[k] + v
+          for k, v in m.items()}
+
+
+def eval_step(params, batch: dict, *, cfg: Config, bos_id: int) -> dict:
+  logits = _forward(cfg, params, batch, bos_id, False)
+  loss_sum, n = cross_entropy(logits, batch["tgt"], cfg.train.label_smoothing)
+  correct, _ = accuracy(logits, batch["tgt"])
+  return {"loss_sum": loss_sum, "tokens": n, "correct": correct}
+
+
+class Trainer:
+  """The model, optimizer and jitted steps of one config on one mesh."""
+
+  def __init__(self, cfg: Config, mesh=None, bos_id: int = 1):
+    self.cfg = cfg
+    self.mesh = mesh if mesh is not None else shd.make_mesh(cfg.train.mesh_shape)
+    self.bos_id = bos_id
+    self.batch_sharding = shd.batch_sharding(self.mesh)
+    abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
+    self.state_sharding = shd.state_shardings(self.mesh, abstract, cfg.train.fsdp)
+    self.abstract_state = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract, self.state_sharding)
+    self.init = jax.jit(lambda rng: init_state(cfg, rng), out_shardings=self.state_sharding)
+    self.step = jax.jit(
+        lambda s, b: train_step(s, b, cfg=cfg, bos_id=bos_id),
+        in_shardings=(self.state_sharding, self.batch_sharding),
+        out_shardings=(self.state_sharding, shd.replicated(self.mesh)), donate_argnums=0)
+    self.eval = jax.jit(
+        lambda p, b: eval_step(p, b, cfg=cfg, bos_id=bos_id),
+        in_shardings=(self.state_sharding.params, self.batch_sharding),
+        out_shardings=shd.replicated(self.mesh))
+
+  @property
+  def data_parallel(self) -> int:
+    return self.mesh.size
+
+  def global_batch(self, local: dict) -> dict:
+    return shd.global_batch({k: v for k, v in local.items()
+                             if isinstance(v, np.ndarray) and v.dtype != object},
+                            self.batch_sharding)
+
+  def local_params(self, state: TrainState):
+    """Parameters on this host's first device (for decoding outside the mesh)."""
+    rep = jax.jit(lambda p: p, out_shardings=shd.replicated(self.mesh))(state.params)
+    return jax.tree_util.tree_map(lambda x: x.addressable_data(0), rep)
+
+
+# --- evaluation ---------------------------------------------------------------------------
+
+def evaluate_loss(trainer: Trainer, params, ds, split: str, max_examples: int = 0) -> dict:
+  """Teacher-forced loss, token accuracy and perplexity over a split (padded, none dropped)."""
+  cfg = trainer.cfg
+  bs = _eval_batch_size(cfg, trainer.data_parallel)
+  tot = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+  for batch in _local_eval_batches(ds, split, bs, max_examples):
+    m = trainer.eval(params, trainer.global_batch(batch))
+    for k in tot:
+      tot[k] += float(m[k])
+  n = max(tot["tokens"], 1.0)
+  loss = tot["loss_sum"] / n
+  return {"loss": loss, "accuracy": tot["correct"] / n,
+          "perplexity": math.exp(min(loss, 50.0))}
+
+
+def _eval_batch_size(cfg: Config, data_parallel: int) -> int:
+  bs = cfg.train.eval_batch_size
+  return -(-bs // data_parallel) * data_parallel
+
+
+def _local_eval_batches(ds, split, batch_size, max_examples):
+  """Each host's rows of every global eval batch."""
+  p, n = jax.process_index(), jax.process_count()
+  per = batch_size // n
+  for b in ds.eval_batches(split, batch_size, max_examples):
+    yield {k: v[p * per:(p + 1) * per] for k, v in b.items()
+           if isinstance(v, np.ndarray) and k in ("src", "tgt")}
+
+
+def evaluate_translations(cfg: Config, params, ds, split: str, max_examples: int = 0,
+                          strategy=None) -> tuple[dict, list[tuple[str, str, str]]]:
+  """Decodes a split and scores it: BLEU, chrF and exact match. Returns (metrics, samples)."""
+  from seq2seq import decoding
+  if strategy is None:
+    strategy = (decoding.Beam(size=cfg.train.beam_size, alpha=cfg.train.length_penalty)
+                if cfg.train.decode_strategy == "beam" else decoding.Greedy())
+  srcs, refs = [], []
+  for b in ds.eval_batches(split, cfg.train.eval_batch_size, max_examples):
+    valid = b["valid"]
+    srcs += [s for s, v in zip(b["src_text"], valid) if v]
+    refs += [t for t, v in zip(b["tgt_text"], valid) if v]
+  hyps = decoding.translate(params, cfg.model, ds.tokenizer, srcs, strategy,
+                            batch_size=cfg.train.eval_batch_size)
+  m = {"bleu": metrics_lib.bleu(hyps, refs), "chrf": metrics_lib.chrf(hyps, refs),
+       "exact_match": metrics_lib.exact_match(hyps, refs), "examples": len(hyps)}
+  return m, list(zip(srcs, refs, hyps))
+
+
+# --- the loop -----------------------------------------------------------------------------
+
+class _Prefetch:
+  """Prepares the next batches on a background thread while the device computes."""
+
+  def __init__(self, it, size: int = 4):
+    self._q: queue.Queue = queue.Queue(size)
+    self._it = it
+    self._t = threading.Thread(target=self._run, daemon=True)
+    self._t.start()
+
+  def _run(self):
+    try:
+      for x in self._it:
+        self._q.put(x)
+    except BaseException as e:  # surfaced on the main thread
+      self._q.put(e)
+
+  def __next__(self):
+    x = self._q.get()
+    if isinstance(x, BaseException):
+      raise x
+    return x
+
+
+@dataclasses.dataclass
+class TrainResult:
+  step: int
+  workdir: str
+  train_metrics: dict
+  eval_metrics: dict
+  test_metrics: dict
+  seconds: float
+  stopped_early: bool = False
+
+
+def _is_main() -> bool:
+  return jax.process_index() == 0
+
+
+def _print(*a, **kw):
+  if _is_main():
+    print(*a, **kw, file=sys.stderr, flush=True)
+
+
+def resolve_config(workdir, name: str | None = None, overrides: list[str] = ()) -> Config:
+  """The run's Config: the workdir's own when resuming (unless `name` is given), else the
+  experiment `name` (default "numbers"); then the `KEY=VALUE` overrides."""
+  base = ckpt_lib.read_config(workdir) if Path(workdir).is_dir() and name is None else None
+  if base is None:
+    name = name or "numbers"
+    if name not in config_lib.EXPERIMENTS:
+      raise UserError(f"unknown config {name!r}; choose one of "
+                      f"{', '.join(config_lib.EXPERIMENTS)}")
+    base = config_lib.get_experiment(name)
+  return config_lib.override(base, list(overrides))
+
+
+def prepare_workdir(cfg: Config, workdir) -> Config:
+  """Creates/validates the workdir. A workdir that already holds a run must be resumed with
+  the same model and data config (the run's train section may change, e.g. more steps)."""
+  workdir = Path(workdir)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = workdir / ".write_probe"
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+  old = ckpt_lib.read_config(workdir)
+  if old is None:
+    return cfg
+  for section in ("model", "data"):
+    a, b = getattr(old, section), getattr(cfg, section)
+    if section == "model":  # the vocabulary size is derived from the data
+      b = b.replace(vocab_size=a.vocab_size)
+    if a != b:
+      diff = [f"{f.name}: {getattr(a, f.name)!r} -> {getattr(b, f.name)!r}"
+              for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+      raise UserError(f"workdir {workdir} holds a run with a different {section} config "
+                      f"({'; '.join(diff[:3])}); resume without changing it or use a new "
+                      f"--workdir")
+  return old.replace(train=cfg.train)
+
+
+def summary(r: "TrainResult") -> str:
+  lines = [f"trained to step {r.step} in {r.seconds:.0f} s; workdir {r.workdir}"]
+  for split, m in (("validation", r.eval_metrics), ("test", r.test_metrics)):
+    if m:
+      lines.append(f"{split}: loss {m['loss']:.3f}, token accuracy {m['accuracy']:.4f}, "
+                   f"BLEU {m['bleu']:.1f}, chrF {m['chrf']:.1f}, exact match "
+                   f"{m['exact_match']:.4f} on {m['examples']} examples")
+  lines.append(f"translate with: python decode.py --workdir {r.workdir} \"sentence\"")
+  return "\n".join(lines)
+
+
+def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[[int, dict], None] | None = None
+          ) -> TrainResult:
+  """Trains (or resumes) `cfg` in `workdir`. Returns the final metrics."""
+  from seq2seq.data import load_dataset
+  t_start = time.time()
+  cfg = prepare_workdir(cfg, workdir)
+  ds = load_dataset(cfg, workdir)
+  cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
+  if _is_main():
+    ckpt_lib.write_config(workdir, cfg)
+  trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
+  tc = cfg.train
+  ckpts = ckpt_lib.Checkpoints(workdir, keep=tc.keep_checkpoints)
+  writer = metrics_lib.MetricsWriter(workdir, enabled=_is_main())
+
+  restored = ckpts.restore(trainer.abstract_state)
+  if restored is None:
+    state = trainer.init(jax.random.key(tc.seed))
+    start = 0
+  else:
+    state, meta = restored
+    start = int(meta["step"])
+    _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
+
+  stop = {"signal": None}
+  old_handler = None
+  if threading.current_thread() is threading.main_thread():
+    old_handler = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
+
+  batches = _Prefetch(iter(ds.train_batches(start)))
+  sched = schedule(cfg)
+  n_dev = trainer.data_parallel
+  _print(f"training {cfg.model.d_model}-d {cfg.model.num_encoder_layers}+"
+         f"{cfg.model.num_decoder_layers}-layer model on {ds.num_examples('train'):,} pairs, "
+         f"{n_dev} device(s) ({jax.devices()[0].platform}), steps {start}->{tc.steps}")
+  bar = None
+  if progress and _is_main():
+    from tqdm.auto import tqdm
+    bar = tqdm(total=tc.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+  acc = None
+  t_log, tokens_since = time.time(), 0.0
+  train_metrics, eval_metrics, test_metrics = {}, {}, {}
+  step, stopped_early = start, False
+
+  def save(step):
+    ckpts.save(step, state, {"step": step, "data_position": step, "seed": tc.seed})
+
+  try:
+    while step < tc.steps:
+      local = next(batches)
+      state, m = trainer.step(state, trainer.global_batch(local))
+      step += 1
+      acc = _accumulate(acc, m)
+      last = step == tc.steps
+      if step % tc.log_every == 0 or last or stop["signal"] or step % tc.checkpoint_every == 0:
+        host = {k: float(v) for k, v in acc.items()}
+        if host["first_bad_step"] < _NO_STEP:
+          raise NonFiniteLoss(f"non-finite loss at step {int(host['first_bad_step'])}: stopped; "
+                              f"no checkpoint was written after it (lower the learning rate?)")
+        now = time.time()
+        n = max(host["tokens"], 1.0)
+        tokens_since += host["tokens"]
+        train_metrics = {"loss": host["loss_sum"] / n, "accuracy": host["correct"] / n,
+                         "learning_rate": float(sched(step)),
+                         "tokens_per_sec": tokens_since / max(now - t_log, 1e-9)}
+        writer.write(step, "train", train_metrics)
+        if on_log:
+          on_log(step, train_metrics)
+        if bar is not None:
+          bar.set_postfix(loss=f"{train_metrics['loss']:.3f}",
+                          lr=f"{train_metrics['learning_rate']:.2e}",
+                          tok_s=f"{train_metrics['tokens_per_sec']:,.0f}", refresh=False)
+          bar.update(step - bar.n)
+        acc, t_log, tokens_since = None, now, 0.0
+      if step % tc.checkpoint_every == 0 or last or stop["signal"]:
+        save(step)
+      if stop["signal"]:
+        _print(f"\nSIGTERM at step {step}: checkpoint saved, exiting")
+        stopped_early = True
+        break
+      if step == _DEBUG_SIGKILL_AT:  # tests: die as a preempted machine would, once the
+        ckpts.wait()                 # checkpoints saved so far are on disk
+        os.kill(os.getpid(), signal.SIGKILL)
+      if step % tc.eval_every == 0 and not last:
+        eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar)
+    ckpts.wait()
+    if not stopped_early:
+      eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar)
+      if "test" in ds.splits:
+        test_metrics = _run_eval(trainer, cfg, state, ds, "test", writer, step, bar,
+                                 samples=5)
+  finally:
+    if bar is not None:
+      bar.close()
+    ckpts.close()
+    writer.close()
+    if old_handler is not None:
+      signal.signal(signal.SIGTERM, old_handler)
+  return TrainResult(step=step, workdir=str(workdir), train_metrics=train_metrics,
+                     eval_metrics=eval_metrics, test_metrics=test_metrics,
+                     seconds=time.time() - t_start, stopped_early=stopped_early)
+
+
+def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 3) -> dict:
+  if split not in ds.splits:
+    return {}
+  tc = cfg.train
+  m = evaluate_loss(trainer, state.params, ds, split, tc.num_eval_examples)
+  tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split,
+                                       tc.num_eval_examples)
+  m.update(tm)
+  writer.write(step, split, m)
+  if _is_main():
+    lines = [f"[{split} @ {step}] loss {m['loss']:.3f}  acc {m['accuracy']:.3f}  "
+             f"BLEU {m['bleu']:.1f}  chrF {m['chrf']:.1f}  exact {m['exact_match']:.3f} "
+             f"({m['examples']} examples)"]
+    for src, ref, hyp in examples[:samples]:
+      lines.append(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
+    if bar is not None:
+      bar.write("\n".join(lines), file=sys.stderr)
+    else:
+      _print("\n".join(lines))
+  return m

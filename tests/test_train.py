@@ -1,0 +1,295 @@
+"""train.py and train_lib: sharded step equivalence, exact resume after SIGKILL, SIGTERM,
+broken checkpoints, non-finite loss, bad input, and a real 2-process run."""
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train as train_script  # noqa: E402
+
+from seq2seq import checkpoint as ckpt_lib  # noqa: E402
+from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A tiny English→French TSV corpus (numbers 0..339 in words)."""
+  from num2words import num2words
+  d = tmp_path_factory.mktemp("corpus")
+  for name, rng in (("train", range(0, 300)), ("validation", range(300, 320)),
+                    ("test", range(320, 340))):
+    lines = [f"{num2words(n)}\t{num2words(n, lang='fr')}" for n in rng]
+    (d / f"{name}.tsv").write_text("\n".join(lines) + "\n")
+  return d
+
+
+def tiny_args(corpus, workdir, data_dir, steps=30, extra=()):
+  return ["--workdir", str(workdir), "--config", "tiny", "--dataset", "parallel_text",
+          "--train_files", str(corpus / "train.tsv"),
+          "--validation_files", str(corpus / "validation.tsv"),
+          "--test_files", str(corpus / "test.tsv"), "--data_dir", str(data_dir),
+          "--steps", str(steps), "--no_progress",
+          "--config.model.d_model=32", "--config.model.num_heads=2",
+          "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+          "--config.model.d_ff=64", "--config.model.max_len=64",
+          "--config.data.vocab_size=300", "--config.data.max_src_len=32",
+          "--config.data.max_tgt_len=32", "--config.train.batch_size=8",
+          "--config.train.seq_len=32", "--config.train.warmup_steps=10",
+          "--config.train.log_every=5", "--config.train.checkpoint_every=10",
+          "--config.train.eval_every=1000", "--config.train.num_eval_examples=4",
+          "--config.train.eval_batch_size=4", *extra]
+
+
+def run_train(args, env_extra=None, timeout=240, check=True):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.update(env_extra or {})
+  p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=env,
+                     capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+  if check and p.returncode != 0:
+    raise AssertionError(f"train.py exited {p.returncode}:\n{p.stderr[-3000:]}")
+  return p
+
+
+def params_of(workdir, step=None):
+  _, params, _ = ckpt_lib.load_workdir(workdir, step)
+  return jax.tree_util.tree_map(np.asarray, params)
+
+
+def tree_hash(d: Path) -> str:
+  h = hashlib.sha256()
+  for p in sorted(d.rglob("*")):
+    if p.is_file():
+      h.update(str(p.relative_to(d)).encode())
+      h.update(p.read_bytes())
+  return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+  """One uninterrupted 30-step run (checkpoints at 10, 20, 30)."""
+  root = tmp_path_factory.mktemp("trained")
+  run_train(tiny_args(corpus, root / "w", root / "tfds"))
+  return root / "w", root / "tfds"
+
+
+# --- the step -----------------------------------------------------------------------------
+
+def test_sharded_step_equals_single_device_step():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, str(ROOT / "tests" / "step_equivalence.py")],
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["devices"] == 8
+  for name in ("data8", "fsdp", "accum2"):
+    assert r[name]["loss"] < 1e-5 and r[name]["params"] < 1e-5, (name, r[name])
+  # the comparison is sharp enough to see a different dropout/initialisation seed
+  assert r["other_seed"]["params"] > 1e-3
+
+
+# --- the run ------------------------------------------------------------------------------
+
+def test_run_writes_a_complete_workdir(trained):
+  workdir, _ = trained
+  assert (workdir / "config.json").exists() and (workdir / "vocab.model").exists()
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  train_rows = [r for r in rows if r["split"] == "train"]
+  assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
+  assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+  assert {"validation", "test"} <= {r["split"] for r in rows}
+  test_row = [r for r in rows if r["split"] == "test"][-1]
+  assert {"bleu", "chrf", "exact_match", "loss", "accuracy"} <= set(test_row)
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  cfg, params, tok = ckpt_lib.load_workdir(workdir)
+  assert cfg.model.d_model == 32 and cfg.model.vocab_size == tok.vocab_size
+
+
+def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
+  reference, data_dir = trained
+  workdir = tmp_path / "killed"
+  args = tiny_args(corpus, workdir, data_dir)
+  p = run_train(args, {"SEQ2SEQ_DEBUG_SIGKILL_AT_STEP": "15"}, check=False)
+  assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+  assert 10 in ckpt_lib.Checkpoints(workdir, read_only=True).steps()
+  p = run_train(args)
+  assert "resuming from" in p.stderr and "(step 10)" in p.stderr
+  a, b = params_of(reference, 30), params_of(workdir, 30)
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_sigterm_saves_and_exits_cleanly(corpus, trained, tmp_path):
+  _, data_dir = trained
+  workdir = tmp_path / "term"
+  args = tiny_args(corpus, workdir, data_dir, steps=100000)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 180
+    metrics = workdir / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+      assert proc.poll() is None, proc.stderr.read()[-2000:]
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 0, err[-2000:]
+  assert "SIGTERM" in err
+  steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
+  assert steps and 0 < steps[-1] < 100000
+  cfg, params, _ = ckpt_lib.load_workdir(workdir)  # the saved state reads back
+
+
+def test_broken_latest_checkpoint_falls_back_with_warning(trained, tmp_path):
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(trained[0], workdir)
+  ckdir = workdir / "checkpoints" / "30" / "state"
+  for f in ckdir.rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"garbage")
+  with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*30"):
+    restored = ckpt_lib.Checkpoints(workdir).restore(ckpt_lib.abstract_state(
+        ckpt_lib.read_config(workdir)))
+  _, meta = restored
+  assert meta["step"] == 20
+
+
+def test_average_checkpoints(trained):
+  workdir, _ = trained
+  steps, avg = ckpt_lib.average_checkpoints(workdir, last=2)
+  assert steps == [20, 30]
+  a, b = params_of(workdir, 20), params_of(workdir, 30)
+  for x, y, m in zip(*(jax.tree_util.tree_leaves(t) for t in (a, b, avg))):
+    np.testing.assert_allclose(m, (x.astype(np.float64) + y) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, tmp_path):
+  _, data_dir = trained
+  workdir = tmp_path / "nan"
+  p = run_train(tiny_args(corpus, workdir, data_dir, extra=[
+      "--config.train.learning_rate_scale=1e30", "--config.train.checkpoint_every=1"]),
+      check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: non-finite loss at step "), last
+  bad = int(last.split("step ")[1].split(":")[0])
+  steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
+  assert all(s < bad for s in steps)
+  for s in steps:
+    for x in jax.tree_util.tree_leaves(params_of(workdir, s)):
+      assert np.isfinite(x).all()
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "huge"], "unknown config 'huge'"),
+    (["--config.train.stepz=3"], "unknown config key; did you mean 'train.steps'"),
+    (["--config.model.d_model=abc"], "cannot read 'abc' as int"),
+    (["--config.model.num_heads=7"], "divisible by num_heads"),
+    (["--config.train.label_smoothing=1.5"], "label_smoothing"),
+    (["--config.nosuchsection.x=1"], "unknown section"),
+    (["--dataset", "parallel_text", "--train_files", "/nonexistent/train.tsv"], "/nonexistent"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+  code = train_script.main(["--workdir", str(tmp_path / "w"), "--no_progress", *argv])
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_unwritable_workdir(tmp_path, capsys):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  assert train_script.main(["--workdir", str(blocker / "w"), "--no_progress"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "not writable" in err and len(err.splitlines()) == 1
+
+
+def test_different_model_config_on_existing_workdir_is_refused_untouched(corpus, trained,
+                                                                          capsys):
+  workdir, data_dir = trained
+  before = tree_hash(workdir)
+  args = tiny_args(corpus, workdir, data_dir, extra=["--config.model.d_model=64"])
+  assert train_script.main(args) == 2
+  err = capsys.readouterr().err.strip()
+  assert "different model config" in err and "d_model: 32 -> 64" in err
+  assert tree_hash(workdir) == before
+
+
+def test_config_overrides():
+  cfg = override(get_experiment("numbers"), ["model.d_model=256", "steps=7", "pack=false"])
+  assert cfg.model.d_model == 256 and cfg.train.steps == 7 and cfg.data.pack is False
+  with pytest.raises(ConfigError, match="ambiguous"):
+    override(cfg, ["vocab_size=5"])
+  with pytest.raises(ConfigError, match="expected --config.KEY=VALUE"):
+    override(cfg, ["steps"])
+
+
+# --- multi-host ---------------------------------------------------------------------------
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_agree_with_one(corpus, trained, tmp_path):
+  """2 processes × 2 CPU devices over gloo on loopback == 1 process × 4 devices."""
+  _, data_dir = trained
+  steps = 6
+  extra = ["--config.train.checkpoint_every=6", "--config.train.log_every=2"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  one = tmp_path / "one"
+  subprocess.run([sys.executable, str(ROOT / "train.py"),
+                  *tiny_args(corpus, one, data_dir, steps, extra)], env=env, check=True,
+                 capture_output=True, timeout=300)
+  env2 = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+              SEQ2SEQ_DIST_TIMEOUT="60")
+  two = tmp_path / "two"
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, str(ROOT / "train.py"), *tiny_args(corpus, two, data_dir, steps, extra),
+       "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
+       "--process_id", str(i)], env=env2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:  # always reaped
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  rows = lambda w: [r for r in map(json.loads, (w / "metrics.jsonl").read_text().splitlines())
+                    if r["split"] == "train"]
+  for a, b in zip(rows(one), rows(two)):
+    assert a["step"] == b["step"]
+    assert abs(a["loss"] - b["loss"]) < 1e-5
+  for x, y in zip(jax.tree_util.tree_leaves(params_of(one)),
+                  jax.tree_util.tree_leaves(params_of(two))):
+    np.testing.assert_allclose(x, y, atol=1e-5)

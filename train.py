@@ -1,0 +1,77 @@
+"""Train a Transformer. `python train.py` trains the default model on the embedded
+English→French numbers task; see `python train.py --help` for everything else.
+
+  python train.py --workdir runs/bible --config small --dataset parallel_text \\
+      --train_files ../shared/corpora/bible_web_lsg/train \\
+      --validation_files ../shared/corpora/bible_web_lsg/validation --tgt_lang fr
+  python train.py --config base --dataset wmt14_translate/de-en --config.train.steps=100000
+"""
+import argparse
+import sys
+
+EPILOG = """config overrides: --config.KEY=VALUE sets any field of the run's Config, e.g.
+  --config.model.d_model=256 --config.train.steps=3000 --config.data.vocab_size=16000
+  (a field name unique to one section may drop the section: --config.steps=3000).
+multi-host: run one process per host with --coordinator_address HOST:PORT
+  --num_processes N --process_id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+  JAX_PROCESS_ID); on TPU pods set SEQ2SEQ_DISTRIBUTED=auto."""
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--workdir", default="runs/default", help="where everything is written (default: %(default)s)")
+  p.add_argument("--config", default=None, help="numbers (default), tiny, small, base or big")
+  p.add_argument("--dataset", default=None,
+                 help="numbers (embedded), parallel_text, or a TFDS name such as wmt14_translate/de-en")
+  p.add_argument("--data_dir", default=None, help="TFDS data directory")
+  p.add_argument("--train_files", default=None, help="parallel_text: prefix of train.<lang> files, or a .tsv")
+  p.add_argument("--validation_files", default=None)
+  p.add_argument("--test_files", default=None)
+  p.add_argument("--src_lang", default=None)
+  p.add_argument("--tgt_lang", default=None)
+  p.add_argument("--reverse", action="store_true", default=None, help="swap a TFDS dataset's source and target")
+  p.add_argument("--steps", type=int, default=None, help="shortcut for --config.train.steps")
+  p.add_argument("--no_progress", action="store_true", help="no progress bar")
+  p.add_argument("--coordinator_address", default="")
+  p.add_argument("--num_processes", type=int, default=0)
+  p.add_argument("--process_id", type=int, default=-1)
+  args, rest = p.parse_known_args(argv)
+  overrides = []
+  for r in rest:
+    if r.startswith("--config.") and "=" in r:
+      overrides.append(r[len("--config."):])
+    else:
+      p.error(f"unrecognized argument {r}")
+  return args, overrides
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  from seq2seq.errors import UserError
+  try:
+    from seq2seq import sharding
+    sharding.maybe_initialize_distributed(args.coordinator_address, args.num_processes,
+                                          args.process_id)
+    from seq2seq import train_lib
+    items = [f"data.{k}={v}" for k in ("dataset", "data_dir", "train_files", "validation_files",
+                                       "test_files", "src_lang", "tgt_lang", "reverse")
+             if (v := getattr(args, k)) is not None]
+    if args.steps is not None:
+      items.append(f"train.steps={args.steps}")
+    cfg = train_lib.resolve_config(args.workdir, args.config, items + overrides)
+    result = train_lib.train(cfg, args.workdir, progress=not args.no_progress)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+  import jax
+  if jax.process_index() == 0:
+    print(train_lib.summary(result))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
