@@ -342,7 +342,7 @@ def _random_lm(vocab=12, scale=3.0):
 
 
 def test_top_k_one_tiny_top_p_and_beam_of_one_are_greedy():
-  fn, rows, L = _random_lm(), 8, 16
+  fn, rows, L = _random_lm(vocab=1200), 8, 16     # a vocabulary long enough for top_k's chunks
   start = jnp.arange(1, rows + 1, dtype=jnp.uint32)
   greedy = _run_greedy(fn, L, rows, state=start)
   assert len(set(greedy.lengths[:, 0].tolist())) > 1          # EOS ends some rows early
@@ -473,6 +473,19 @@ def test_beam_respects_min_len_and_falls_back_to_truncated_hypotheses():
   np.testing.assert_array_equal(out.lengths, [[3, 3]])
   assert out.scores[0, 0] == pytest.approx(3 * math.log(2 / 3) / (8 / 6) ** 0.6, abs=1e-5)
   assert out.scores[0, 1] == pytest.approx(math.log(4 / 27) / (8 / 6) ** 0.6, abs=1e-5)
+
+
+@pytest.mark.parametrize("vocab, k", [(8000, 8), (1000, 2), (3001, 4), (40, 3)])
+def test_fast_top_k_and_argmax_match_lax(vocab, k):
+  rng = np.random.default_rng(vocab)
+  x = rng.normal(size=(5, vocab)).astype(np.float32)
+  x[1, : vocab // 2] = -np.inf                        # masked tokens, as after filtering
+  x[2, 7] = x[2, vocab - 3] = x[2].max() + 1.0        # a tie for the maximum
+  vals, idx = jax.jit(dec.top_k, static_argnums=1)(x, k)
+  want_vals, want_idx = jax.lax.top_k(x, k)
+  np.testing.assert_array_equal(vals, want_vals)
+  np.testing.assert_array_equal(idx, want_idx)
+  np.testing.assert_array_equal(jax.jit(dec.argmax)(x), np.argmax(x, -1))
 
 
 PROBS = np.array([0.0, 0.05, 0.1, 0.15, 0.3, 0.4])     # PAD (id 0) is never chosen
