@@ -1,0 +1,87 @@
+"""Any translation dataset of the TFDS catalog, by name: `wmt14_translate/de-en`,
+`ted_hrlr_translate/pt_to_en`, ... Source and target are its supervised keys (swapped by
+`--config.data.reverse`). Reading needs no TensorFlow (array_record + data sources), but
+*preparing* most catalog datasets downloads them: where that is impossible (no internet,
+missing optional dependencies) the failure is a one-line `UserError`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import tensorflow_datasets as tfds
+
+from seq2seq.errors import UserError
+
+_PROBE_HOST = "storage.googleapis.com"  # where TFDS keeps prepared datasets
+
+
+def _import_legacy_builders() -> None:
+  # TFDS imports its older builder modules (e.g. `translate/wmt14.py`) lazily, on first
+  # attribute access, so `tfds.builder("wmt14_translate")` cannot find them until then.
+  import tensorflow_datasets.translate  # noqa: F401
+
+
+def get_builder(name: str, data_dir: str | None = None) -> tfds.core.DatasetBuilder:
+  """The catalog builder `name` (array_record), not yet prepared. UserError if unknown."""
+  try:
+    return tfds.builder(name, data_dir=data_dir or None, file_format="array_record")
+  except tfds.core.registered.DatasetNotFoundError:
+    pass
+  except ValueError as e:  # e.g. an unknown config or version
+    raise UserError(f"TFDS dataset {name!r}: {str(e).splitlines()[0]}") from None
+  _import_legacy_builders()
+  try:
+    return tfds.builder(name, data_dir=data_dir or None, file_format="array_record")
+  except tfds.core.registered.DatasetNotFoundError:
+    raise UserError(f"unknown dataset {name!r}: not 'numbers', 'parallel_text' or a TFDS "
+                    f"catalog name (e.g. wmt14_translate/de-en)") from None
+  except ValueError as e:
+    raise UserError(f"TFDS dataset {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def supervised_keys(builder: tfds.core.DatasetBuilder, reverse: bool = False
+                    ) -> tuple[str, str]:
+  keys = builder.info.supervised_keys
+  if not keys or len(keys) != 2 or not all(isinstance(k, str) for k in keys):
+    raise UserError(f"TFDS dataset {builder.name!r} has no (source, target) text "
+                    f"supervised keys (got {keys!r}): not a translation dataset")
+  for k in keys:
+    feature = builder.info.features[k]
+    if not isinstance(feature, tfds.features.Text):
+      raise UserError(f"TFDS dataset {builder.name!r}: supervised key {k!r} is "
+                      f"{type(feature).__name__}, not Text")
+  src, tgt = keys
+  return (tgt, src) if reverse else (src, tgt)
+
+
+def _offline_reason() -> str:
+  """Why downloads cannot work here ("" if they might). Without this check an offline
+  machine spends ~200 s in TFDS's download retries (10, exponential back-off) first."""
+  if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+                                     "http_proxy")):
+    return ""  # name resolution may happen at the proxy
+  try:
+    socket.getaddrinfo(_PROBE_HOST, 443)
+  except OSError as e:
+    return f"no network: cannot resolve {_PROBE_HOST} ({e.strerror or e})"
+  return ""
+
+
+def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
+  """download_and_prepare, turning any failure into a one-line UserError. `downloads`:
+  the builder fetches files (check first that the network is reachable at all)."""
+  if builder.is_prepared():
+    return
+  where = (f"TFDS dataset {builder.info.full_name!r} is not prepared in {builder.data_dir} "
+           f"and could not be downloaded")
+  hint = ("prepare it on a machine with internet access and point --config.data.data_dir at "
+          "it")
+  reason = _offline_reason() if downloads else ""
+  if reason:
+    raise UserError(f"{where} ({reason}); {hint}")
+  try:
+    builder.download_and_prepare()
+  except Exception as e:  # noqa: BLE001 - network, checksum, missing dependency, ...
+    reason = (str(e).strip().splitlines() or [""])[0][:200]
+    raise UserError(f"{where} ({type(e).__name__}: {reason}); {hint}") from None

@@ -1,0 +1,286 @@
+"""`load_dataset(cfg, workdir)`: the one entry point train.py and the evaluation use.
+
+    ds = load_dataset(cfg, workdir)
+    ds.tokenizer                      # SentencePiece, PAD 0 / BOS 1 / EOS 2 / UNK 3
+    ds.train_batches(start_step)      # infinite, deterministic, this host's rows
+    ds.eval_batches("test", 64)       # padded, never dropped
+    ds.num_examples("train"), ds.splits, ds.stats
+
+Where things live:
+  * TFDS data (array_record) in cfg.data.data_dir ("" -> $TFDS_DATA_DIR or
+    ~/tensorflow_datasets), built by process 0 and waited for by the others;
+  * the SentencePiece model at <workdir>/vocab.model (reused if present);
+  * tokenized splits (flat int32 tokens + offsets, .npz) in <workdir>/data_cache/, keyed by
+    the vocabulary, the dataset and the host shard, so each split is tokenized once.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from typing import Iterator
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from seq2seq.config import Config
+from seq2seq.data import catalog, numbers, parallel_text
+from seq2seq.data.pipeline import Ragged, TrainStream, apply_length_policy, pad_batch
+from seq2seq.data.tokenizer import Tokenizer, atomic_write, get_tokenizer, wait_for
+from seq2seq.errors import UserError
+
+log = logging.getLogger("seq2seq.data")
+
+NUMBERS_MAX_VOCAB = 1024      # the numbers task needs ~370 ids (260 are specials + bytes)
+SPM_MAX_PAIRS = 500_000       # SentencePiece trains on at most this many training pairs
+PREPARE_TIMEOUT = 3600.0      # seconds a non-zero process waits for process 0's files
+_READ_CHUNK = 4096
+
+
+def _text(x) -> str:
+  return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+class Source:
+  """A prepared TFDS builder read through array_record data sources (no TensorFlow)."""
+
+  def __init__(self, builder: tfds.core.DatasetBuilder, src_key: str, tgt_key: str):
+    self.builder, self.src_key, self.tgt_key = builder, src_key, tgt_key
+    self.name = builder.info.full_name
+    known = list(builder.info.splits.keys())
+    # Under tfds.testing.mock_data the split names are unknown: assume the usual three.
+    names = known or ["train", "validation", "test"]
+    order = {"train": 0, "validation": 1, "test": 2}
+    self.splits = tuple(sorted(names, key=lambda s: (order.get(s, 3), s)))
+    self._sources = {}
+    self._texts = {}
+
+  def data_source(self, split: str):
+    if split not in self.splits:
+      raise UserError(f"dataset {self.name} has no split {split!r} "
+                      f"(available: {', '.join(self.splits)})")
+    if split not in self._sources:
+      self._sources[split] = self.builder.as_data_source(split=split)
+    return self._sources[split]
+
+  def num_examples(self, split: str) -> int:
+    return len(self.data_source(split))
+
+  def read(self, split: str, indices=None) -> tuple[list[str], list[str]]:
+    """(sources, targets) of examples `indices` (default: all) of `split`."""
+    if split in self._texts:
+      src, tgt = self._texts[split]
+      if indices is None:
+        return src, tgt
+      return [src[i] for i in indices], [tgt[i] for i in indices]
+    ds = self.data_source(split)
+    idx = list(range(len(ds))) if indices is None else [int(i) for i in indices]
+    src, tgt = [], []
+    for a in range(0, len(idx), _READ_CHUNK):
+      chunk = idx[a:a + _READ_CHUNK]
+      try:
+        records = ds.__getitems__(chunk)
+      except TypeError:  # tfds.testing.mock_data's __getitems__ is broken; read one by one
+        records = [ds[i] for i in chunk]
+      src.extend(_text(r[self.src_key]) for r in records)
+      tgt.extend(_text(r[self.tgt_key]) for r in records)
+    if indices is None:
+      self._texts[split] = (src, tgt)
+    return src, tgt
+
+
+def _prepare(make_builder, process_index: int, what: str, downloads: bool
+             ) -> tfds.core.DatasetBuilder:
+  """Process 0 builds (or checks) the dataset; the others wait until it is there."""
+  builder = make_builder()
+  if builder.is_prepared():
+    return builder
+  if process_index != 0:
+    wait_for(lambda: make_builder().is_prepared(), f"TFDS dataset {what}", PREPARE_TIMEOUT,
+             poll=5.0)
+    return make_builder()
+  log.info("preparing TFDS dataset %s in %s", what, builder.data_dir)
+  from tensorflow_datasets.core.utils import tqdm_utils
+  was = getattr(tqdm_utils, "_active", True)
+  tfds.display_progress_bar(False)  # no per-example progress bars in training logs
+  try:
+    catalog.prepare(builder, downloads)
+  finally:
+    tfds.display_progress_bar(was)
+  return builder
+
+
+def open_source(cfg: Config, process_index: int = 0) -> Source:
+  """The dataset named by cfg.data, prepared in cfg.data.data_dir."""
+  d = cfg.data
+  data_dir = d.data_dir or None
+  if d.dataset == "numbers":
+    if d.target_lang not in numbers.LANGUAGES:
+      raise UserError(f"numbers task: target_lang must be one of "
+                      f"{', '.join(numbers.LANGUAGES)}, got {d.target_lang!r}")
+    make = lambda: numbers.Seq2seqNumbers(config=d.target_lang, data_dir=data_dir,  # noqa
+                                          file_format="array_record")
+  elif d.dataset == "parallel_text":
+    make = lambda: parallel_text.make_builder(  # noqa: E731
+        d.train_files, d.validation_files, d.test_files, d.src_lang, d.tgt_lang, data_dir)
+  else:
+    make = lambda: catalog.get_builder(d.dataset, data_dir)  # noqa: E731
+  src_key, tgt_key = catalog.supervised_keys(make(), d.reverse)  # before any download
+  downloads = d.dataset not in ("numbers", "parallel_text")
+  return Source(_prepare(make, process_index, d.dataset, downloads), src_key, tgt_key)
+
+
+class Dataset:
+  """Tokenized splits of one source and the batches built from them."""
+
+  def __init__(self, cfg: Config, workdir: str, source: Source, tokenizer: Tokenizer,
+               process_index: int, process_count: int):
+    self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
+    self.workdir = epath.Path(workdir)
+    self.process_index, self.process_count = process_index, process_count
+    self.splits = source.splits
+    if "train" not in self.splits:
+      raise UserError(f"dataset {source.name} has no 'train' split "
+                      f"(available: {', '.join(self.splits)})")
+    t = cfg.train
+    if t.batch_size % process_count:
+      raise UserError(f"batch_size {t.batch_size} is not divisible by the number of hosts "
+                      f"({process_count})")
+    self.host_batch_size = t.batch_size // process_count
+    self._eval = {}
+    self._build_train()
+
+  # --- tokenized arrays, cached on disk -----------------------------------------------
+
+  def _cache_path(self, split: str, shard: str) -> epath.Path:
+    key = hashlib.sha256(self.tokenizer.model_proto)
+    key.update(f"{self.source.name}|{self.source.src_key}>{self.source.tgt_key}|{split}|"
+               f"{shard}|{self.source.num_examples(split)}".encode())
+    return self.workdir / "data_cache" / f"{split}-{shard}-{key.hexdigest()[:16]}.npz"
+
+  def _tokenized(self, split: str, indices, shard: str) -> tuple[Ragged, Ragged]:
+    """Token ids (no EOS) of examples `indices` of `split`, from the cache if present."""
+    path = self._cache_path(split, shard)
+    if path.exists():
+      z = np.load(io.BytesIO(path.read_bytes()))
+      return (Ragged(z["src_flat"], z["src_offsets"]), Ragged(z["tgt_flat"], z["tgt_offsets"]))
+    src_text, tgt_text = self.source.read(split, indices)
+    src = Ragged.from_lists(self.tokenizer.encode_batch(src_text))
+    tgt = Ragged.from_lists(self.tokenizer.encode_batch(tgt_text))
+    buf = io.BytesIO()
+    np.savez(buf, src_flat=src.flat, src_offsets=src.offsets, tgt_flat=tgt.flat,
+             tgt_offsets=tgt.offsets)
+    atomic_write(str(path), buf.getvalue())
+    return src, tgt
+
+  # --- training -----------------------------------------------------------------------
+
+  def _build_train(self):
+    d, t = self.cfg.data, self.cfg.train
+    n = self.source.num_examples("train")
+    # This host's examples: every process_count-th, starting at process_index.
+    host_idx = np.arange(self.process_index, n, self.process_count)
+    if len(host_idx) == 0:
+      raise UserError(f"the training split has {n} examples, fewer than the "
+                      f"{self.process_count} hosts")
+    shard = f"{self.process_index}of{self.process_count}"
+    src, tgt = self._tokenized("train", host_idx, shard)
+    src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
+    src, tgt, kept, stats = apply_length_policy(src, tgt, src_limit, tgt_limit,
+                                                d.length_policy)
+    if stats["kept"] == 0:
+      raise UserError(f"all {len(host_idx)} training pairs of this host are longer than "
+                      f"the limits (source {src_limit}, target {tgt_limit} tokens with EOS); "
+                      f"raise max_src_len/max_tgt_len/seq_len or use length_policy=truncate")
+    over = stats["dropped_too_long"] + stats["truncated"]
+    if over:
+      log.warning("%d of %d training pairs are longer than %d/%d tokens: %s", over,
+                  len(host_idx), src_limit, tgt_limit,
+                  "dropped" if d.length_policy == "drop" else "truncated")
+    self._train = TrainStream(src, tgt, batch_size=self.host_batch_size, seq_len=t.seq_len,
+                              pack=d.pack, seed=t.seed, process_index=self.process_index)
+    self.stats = {
+        "dataset": self.source.name, "source_key": self.source.src_key,
+        "target_key": self.source.tgt_key, "vocab_size": self.tokenizer.vocab_size,
+        "train_examples": n, "host_examples": int(len(host_idx)),
+        "process_index": self.process_index, "process_count": self.process_count,
+        "length_policy": d.length_policy, "max_src_len": src_limit, "max_tgt_len": tgt_limit,
+        "kept": stats["kept"], "dropped_too_long": stats["dropped_too_long"],
+        "truncated": stats["truncated"], "pack": d.pack,
+        **self._train.epoch_stats(0)}
+
+  def train_batches(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Infinite batches of int32 [batch_size // process_count, seq_len]: src, tgt (EOS-
+    terminated, no BOS), src/tgt_segments (0 pad, 1.. example), src/tgt_positions.
+    Batch k depends only on (seed, k, process_index): resuming at k repeats it exactly."""
+    return self._train(int(start_step))
+
+  # --- evaluation ---------------------------------------------------------------------
+
+  def num_examples(self, split: str) -> int:
+    return self.source.num_examples(split)
+
+  def _eval_split(self, split: str):
+    if split not in self._eval:
+      src_text, tgt_text = self.source.read(split)
+      src, tgt = self._tokenized(split, None, "all")
+      src, _ = src.with_eos(self.cfg.data.max_src_len)
+      tgt, _ = tgt.with_eos(self.cfg.data.max_tgt_len)
+      self._eval[split] = (src, tgt, src_text, tgt_text)
+    return self._eval[split]
+
+  def eval_batches(self, split: str, batch_size: int, max_examples: int = 0
+                   ) -> Iterator[dict]:
+    """Every example of `split` in stored order (the first `max_examples` if > 0), padded:
+    src/tgt int32 [batch_size, L] (L = the longest in the split, at most max_src_len /
+    max_tgt_len: longer ones are truncated, never dropped), valid bool [batch_size] (the
+    last batch is topped up with all-zero rows), src_text/tgt_text (""-padded lists)."""
+    src, tgt, src_text, tgt_text = self._eval_split(split)
+    n = len(src) if max_examples <= 0 else min(max_examples, len(src))
+    src_len = int(src.lengths[:n].max(initial=1))
+    tgt_len = int(tgt.lengths[:n].max(initial=1))
+    for a in range(0, n, batch_size):
+      idx = np.arange(a, min(a + batch_size, n))
+      batch = pad_batch(src, tgt, idx, batch_size, src_len, tgt_len)
+      pad = [""] * (batch_size - len(idx))
+      batch["src_text"] = src_text[a:a + len(idx)] + pad
+      batch["tgt_text"] = tgt_text[a:a + len(idx)] + pad
+      yield batch
+
+
+def _process() -> tuple[int, int]:
+  import jax
+  return jax.process_index(), jax.process_count()
+
+
+def load_dataset(cfg: Config, workdir: str, *, process_index: int | None = None,
+                 process_count: int | None = None) -> Dataset:
+  """Prepares the data of `cfg.data`, the tokenizer (<workdir>/vocab.model, trained on the
+  training split unless present) and the tokenized splits. UserError on bad input.
+  `process_index`/`process_count` default to JAX's (overridable for tests)."""
+  if process_index is None or process_count is None:
+    pi, pc = _process()
+    process_index = pi if process_index is None else process_index
+    process_count = pc if process_count is None else process_count
+  d = cfg.data
+  source = open_source(cfg, process_index)
+  if "train" not in source.splits:
+    raise UserError(f"dataset {source.name} has no 'train' split")
+  vocab_size = min(d.vocab_size, NUMBERS_MAX_VOCAB) if d.dataset == "numbers" else d.vocab_size
+
+  def sentences():
+    n = source.num_examples("train")
+    idx = None
+    if n > SPM_MAX_PAIRS:
+      idx = np.sort(np.random.default_rng(0).choice(n, SPM_MAX_PAIRS, replace=False))
+    src, tgt = source.read("train", idx)
+    log.info("training SentencePiece (%d pieces) on %d pairs", vocab_size, len(src))
+    return src + tgt
+
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  tokenizer = get_tokenizer(
+      str(epath.Path(workdir) / "vocab.model"), sentences, vocab_size=vocab_size,
+      model_type=d.spm_model_type, character_coverage=d.character_coverage,
+      process_index=process_index, timeout=PREPARE_TIMEOUT)
+  return Dataset(cfg, workdir, source, tokenizer, process_index, process_count)

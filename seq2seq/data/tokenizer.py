@@ -1,0 +1,154 @@
+"""SentencePiece tokenizer with fixed special ids, trained once on the training split.
+
+Ids: PAD 0, BOS 1, EOS 2, UNK 3, then the pieces. Byte fallback is on, so any character
+the training text never showed is spelt as UTF-8 byte pieces (<0xE6> ...) and decodes back
+exactly; UNK is only produced for invalid ids. Text is normalised with SentencePiece's
+default `nmt_nfkc` rule (NFKC plus whitespace folding) on the way in.
+
+`Tokenizer.encode` returns pieces only (no BOS/EOS); the data pipeline appends EOS.
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+import uuid
+from typing import Iterable, Sequence
+
+import numpy as np
+import sentencepiece as spm
+from etils import epath
+
+from seq2seq.errors import UserError
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+class Tokenizer:
+  """A SentencePiece model whose special ids are PAD 0, BOS 1, EOS 2, UNK 3."""
+  pad_id = PAD_ID
+  bos_id = BOS_ID
+  eos_id = EOS_ID
+  unk_id = UNK_ID
+
+  def __init__(self, model_proto: bytes, path: str = ""):
+    self._proto = model_proto
+    self.path = str(path)
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    got = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
+    if got != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
+      raise UserError(f"{path or 'tokenizer'}: special ids (pad, bos, eos, unk) are {got}, "
+                      f"expected {(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}")
+
+  # --- construction ----------------------------------------------------------------------
+
+  @classmethod
+  def load(cls, path: str) -> "Tokenizer":
+    p = epath.Path(path)
+    if not p.exists():
+      raise UserError(f"no SentencePiece model at {path}")
+    try:
+      return cls(p.read_bytes(), str(path))
+    except (RuntimeError, OSError) as e:
+      raise UserError(f"{path} is not a readable SentencePiece model ({e})") from None
+
+  @classmethod
+  def train(cls, sentences: Iterable[str], path: str = "", *, vocab_size: int = 8000,
+            model_type: str = "unigram", character_coverage: float = 1.0,
+            num_threads: int = 2) -> "Tokenizer":
+    """Trains on `sentences`; writes the model to `path` atomically if given.
+
+    `vocab_size` counts everything (4 specials + 256 byte pieces + learned pieces); it is a
+    soft limit for unigram (a small corpus may yield fewer pieces instead of failing).
+    """
+    if model_type not in ("unigram", "bpe", "char", "word"):
+      raise UserError(f"spm_model_type must be unigram, bpe, char or word, got {model_type!r}")
+    if vocab_size < 4 + 256 + 2:
+      raise UserError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 260 "
+                      f"ids plus a few pieces")
+    out = io.BytesIO()
+    try:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(sentences), model_writer=out, vocab_size=vocab_size,
+          model_type=model_type, character_coverage=character_coverage, byte_fallback=True,
+          pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+          pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>", unk_piece="<unk>",
+          hard_vocab_limit=False, train_extremely_large_corpus=False,
+          max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=2)
+    except RuntimeError as e:
+      raise UserError(f"SentencePiece training failed: {str(e).strip().splitlines()[-1]}") \
+          from None
+    tok = cls(out.getvalue(), str(path))
+    if path:
+      atomic_write(path, out.getvalue())
+    return tok
+
+  # --- use -------------------------------------------------------------------------------
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.get_piece_size()
+
+  @property
+  def model_proto(self) -> bytes:
+    return self._proto
+
+  def encode(self, text: str) -> list[int]:
+    """Piece ids of `text`, without BOS/EOS."""
+    return self._sp.encode(text)
+
+  def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+    return self._sp.encode(list(texts), num_threads=num_threads)
+
+  def _clean(self, ids) -> list[int]:
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    stop = np.flatnonzero(ids == EOS_ID)
+    if stop.size:
+      ids = ids[:stop[0]]
+    keep = (ids != PAD_ID) & (ids != BOS_ID) & (ids >= 0) & (ids < self.vocab_size)
+    return ids[keep].tolist()
+
+  def decode(self, ids) -> str:
+    """Text of `ids` (a list or 1-D array): stops at the first EOS, skips PAD and BOS."""
+    return self._sp.decode(self._clean(ids))
+
+  def decode_batch(self, ids_BxT) -> list[str]:
+    return [self.decode(row) for row in ids_BxT]
+
+  def id_to_piece(self, i: int) -> str:
+    return self._sp.id_to_piece(int(i))
+
+
+# --- files shared between hosts -------------------------------------------------------------
+
+def atomic_write(path: str, data: bytes) -> None:
+  """Writes `path` via a unique temporary file and a rename, so readers never see half."""
+  p = epath.Path(path)
+  p.parent.mkdir(parents=True, exist_ok=True)
+  tmp = p.parent / f".{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  tmp.write_bytes(data)
+  tmp.rename(p)
+
+
+def wait_for(predicate, what: str, timeout: float, poll: float = 1.0) -> None:
+  """Polls `predicate()` until true; UserError after `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > deadline:
+      raise UserError(f"timed out after {timeout:.0f}s waiting for {what} (written by "
+                      f"process 0; is the directory shared between hosts?)")
+    time.sleep(poll)
+
+
+def get_tokenizer(path: str, sentences_fn, *, vocab_size: int, model_type: str,
+                  character_coverage: float, process_index: int = 0,
+                  timeout: float = 1800.0) -> Tokenizer:
+  """Loads the model at `path`, or trains it: process 0 trains on `sentences_fn()` and
+  writes atomically, the other processes wait for the file."""
+  p = epath.Path(path)
+  if not p.exists():
+    if process_index == 0:
+      return Tokenizer.train(sentences_fn(), path, vocab_size=vocab_size,
+                             model_type=model_type, character_coverage=character_coverage)
+    wait_for(p.exists, path, timeout)
+  return Tokenizer.load(path)

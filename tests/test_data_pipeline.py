@@ -1,0 +1,242 @@
+"""Packing, segment ids / positions, masks with the real Transformer, resume, host shards,
+length policy, evaluation padding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import seq2seq
+from seq2seq.data import EOS_ID, load_dataset
+from seq2seq.data import testing as dtest
+from seq2seq.data.pipeline import Ragged, TrainStream, apply_length_policy
+
+
+def _random_ragged(n, lo, hi, seed):
+  rng = np.random.default_rng(seed)
+  # token ids >= 4 (not special), each sequence distinct
+  return Ragged.from_lists([list(rng.integers(4, 300, size=rng.integers(lo, hi + 1)))
+                            for _ in range(n)])
+
+
+def _examples_in_batch(batch, name):
+  """{(row, segment): tokens} of one side of a packed batch."""
+  out = {}
+  for r in range(batch[name].shape[0]):
+    seg = batch[f"{name}_segments"][r]
+    for s in np.unique(seg[seg > 0]):
+      out[(r, int(s))] = batch[name][r][seg == s]
+  return out
+
+
+@pytest.fixture(scope="module")
+def stream():
+  src, tgt, _, _ = apply_length_policy(_random_ragged(500, 1, 20, 0),
+                                       _random_ragged(500, 1, 25, 1), 16, 16, "truncate")
+  return TrainStream(src, tgt, batch_size=8, seq_len=32, pack=True, seed=3)
+
+
+def test_ragged_roundtrip_and_eos():
+  seqs = [[5, 6, 7], [], [8], [9, 10, 11, 12, 13]]
+  r = Ragged.from_lists(seqs)
+  assert [r[i].tolist() for i in range(len(r))] == seqs
+  assert [r.take([3, 0])[i].tolist() for i in range(2)] == [seqs[3], seqs[0]]
+  e, cut = r.with_eos(4)
+  assert [e[i].tolist() for i in range(len(e))] == [[5, 6, 7, 2], [2], [8, 2], [9, 10, 11, 2]]
+  assert cut.tolist() == [False, False, False, True]
+
+
+def test_length_policy_counts():
+  src = Ragged.from_lists([[5] * 3, [5] * 9, [5] * 4, [5] * 2])
+  tgt = Ragged.from_lists([[6] * 3, [6] * 2, [6] * 12, [6] * 2])
+  s, t, kept, stats = apply_length_policy(src, tgt, 6, 8, "drop")
+  assert kept.tolist() == [0, 3] and stats["dropped_too_long"] == 2 and stats["kept"] == 2
+  assert s[0].tolist() == [5, 5, 5, EOS_ID] and t[1].tolist() == [6, 6, EOS_ID]
+  s, t, kept, stats = apply_length_policy(src, tgt, 6, 8, "truncate")
+  assert stats["truncated"] == 2 and stats["kept"] == 4
+  assert s.lengths.max() <= 6 and t.lengths.max() <= 8
+  assert s[1].tolist() == [5] * 5 + [EOS_ID]
+
+
+def test_packing_loses_nothing_and_segments_positions_right(stream):
+  """Over one epoch every example appears whole, in order, with positions 0..len-1, and
+  segment ids count 1, 2, ... from the left of each row."""
+  seen = []
+  for k in range(stream.steps_per_epoch):
+    b = stream.batch(k)
+    assert all(v.shape == (8, 32) and v.dtype == np.int32 for v in b.values())
+    for name in ("src", "tgt"):
+      seg, pos, tok = b[f"{name}_segments"], b[f"{name}_positions"], b[name]
+      assert np.all((tok != 0) == (seg > 0))          # pad exactly where segment 0
+      assert np.all(pos[seg == 0] == 0)
+      for r in range(8):
+        nz = seg[r][seg[r] > 0]
+        assert np.all(np.diff(nz) >= 0) and (nz.size == 0 or nz[0] == 1)
+        assert np.all(np.diff(np.unique(nz)) == 1)     # 1, 2, 3, ... no gaps
+        assert np.all(seg[r][len(nz):] == 0)            # padding only at the end
+        for s in np.unique(nz):
+          assert pos[r][seg[r] == s].tolist() == list(range(int((seg[r] == s).sum())))
+    src_ex, tgt_ex = _examples_in_batch(b, "src"), _examples_in_batch(b, "tgt")
+    assert src_ex.keys() == tgt_ex.keys()              # source and target share segments
+    for key in sorted(src_ex):
+      seen.append((tuple(src_ex[key]), tuple(tgt_ex[key])))
+  # Each example of the epoch exactly as stored (EOS-terminated); every example is placed
+  # (the epoch wraps around for the last rows, so some appear twice, none is lost).
+  every = {(tuple(stream.src[i]), tuple(stream.tgt[i])) for i in range(len(stream.src))}
+  assert set(seen) == every
+  stats = stream.epoch_stats(0)
+  assert stats["distinct_examples_per_epoch"] == len(stream.src)
+  assert stats["src_fill"] > 0.7
+
+
+def test_resume_at_step_k_is_exact(stream):
+  """Batches from train_batches(k) equal batches k.. of an uninterrupted run, across epoch
+  boundaries, and a fresh stream object gives the same batches."""
+  spe = stream.steps_per_epoch
+  it = stream(0)
+  full = [next(it) for _ in range(2 * spe + 3)]
+  for k in (1, spe - 1, spe, spe + 2, 2 * spe + 1):
+    resumed = stream(k)
+    for j in range(k, min(k + 2, len(full))):
+      b = next(resumed)
+      for name in full[j]:
+        np.testing.assert_array_equal(b[name], full[j][name])
+  fresh = TrainStream(stream.src, stream.tgt, batch_size=8, seq_len=32, pack=True, seed=3)
+  np.testing.assert_array_equal(fresh.batch(spe + 1)["tgt"], full[spe + 1]["tgt"])
+  # another seed, another order; another epoch, another order
+  other = TrainStream(stream.src, stream.tgt, batch_size=8, seq_len=32, pack=True, seed=4)
+  assert not np.array_equal(other.batch(0)["src"], full[0]["src"])
+  assert not np.array_equal(full[spe]["src"], full[0]["src"])
+
+
+def test_unpacked_rows():
+  src, tgt, _, _ = apply_length_policy(_random_ragged(50, 1, 10, 0),
+                                       _random_ragged(50, 1, 10, 1), 16, 16, "drop")
+  s = TrainStream(src, tgt, batch_size=4, seq_len=16, pack=False, seed=0)
+  assert s.steps_per_epoch == 13
+  b = s.batch(0)
+  assert np.array_equal(b["src_segments"], (b["src"] != 0).astype(np.int32))
+  assert np.array_equal(b["tgt_positions"], np.tile(np.arange(16), (4, 1)))
+  order = np.random.default_rng([0, 0, 0]).permutation(50)
+  assert b["src"][2][b["src"][2] != 0].tolist() == src[order[2]].tolist()
+
+
+def test_packed_masks_block_cross_example_attention(stream):
+  """The real Transformer on a packed batch gives, for every packed example, the logits it
+  gives that example alone; without the segment ids it would not."""
+  cfg = seq2seq.TransformerConfig(vocab_size=300, d_model=32, num_heads=2, d_ff=64,
+                                  num_encoder_layers=1, num_decoder_layers=1, max_len=64,
+                                  dropout_rate=0.0)
+  model = seq2seq.Transformer(cfg)
+  b = stream.batch(0)
+  rows = [r for r in range(8) if b["src_segments"][r].max() >= 2][:2]
+  assert rows, "expected rows holding several examples"
+  src, tgt = b["src"][rows], b["tgt"][rows]
+  ss, ts = b["src_segments"][rows], b["tgt_segments"][rows]
+  sp, tp = b["src_positions"][rows], b["tgt_positions"][rows]
+  # Every packed example alone in its own zero-padded row.
+  where = [(i, s) for i in range(len(rows)) for s in range(1, int(ss[i].max()) + 1)]
+  alone_src = np.zeros((len(where), 32), np.int32)
+  alone_tgt = np.zeros((len(where), 32), np.int32)
+  for k, (i, s) in enumerate(where):
+    a, t = src[i][ss[i] == s], tgt[i][ts[i] == s]
+    alone_src[k, :len(a)], alone_tgt[k, :len(t)] = a, t
+  # One forward pass (one compilation) over: the packed rows with their segments; the same
+  # rows as if they were one example each (segment = non-pad, positions = arange); and the
+  # examples alone.
+  ar = np.broadcast_to(np.arange(32, dtype=np.int32), (len(rows) + len(where), 32))
+  all_src = np.concatenate([src, src, alone_src])
+  all_tgt = np.concatenate([tgt, tgt, alone_tgt])
+  all_ss = np.concatenate([ss, (src != 0).astype(np.int32), (alone_src != 0).astype(np.int32)])
+  all_ts = np.concatenate([ts, (tgt != 0).astype(np.int32), (alone_tgt != 0).astype(np.int32)])
+  all_sp = np.concatenate([sp, ar])
+  all_tp = np.concatenate([tp, ar])
+  tgt_in = seq2seq.shift_right(jnp.asarray(all_tgt), 1, jnp.asarray(all_ts))
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), all_src[:1], tgt_in[:1])
+  out = np.asarray(jax.jit(model.apply)(params, all_src, tgt_in, all_ss, all_ts, all_sp,
+                                        all_tp))
+  packed, unmasked, alone = out[:len(rows)], out[len(rows):2 * len(rows)], out[2 * len(rows):]
+  differs = False
+  for k, (i, s) in enumerate(where):
+    n = int((ts[i] == s).sum())
+    np.testing.assert_allclose(packed[i][ts[i] == s], alone[k, :n], atol=2e-5, rtol=1e-4)
+    differs |= not np.allclose(unmasked[i][ts[i] == s], alone[k, :n], atol=1e-3)
+  assert differs
+
+
+def _cfg(tmp_path, **data):
+  d = dict(dataset="parallel_text", train_files=str(tmp_path / "corpus"),
+           data_dir=str(tmp_path / "tfds"), vocab_size=300, max_src_len=16, max_tgt_len=16)
+  d.update(data)
+  return seq2seq.Config(data=seq2seq.DataConfig(**d),
+                        train=seq2seq.TrainConfig(batch_size=8, seq_len=32, seed=1))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  root = tmp_path_factory.mktemp("pipe")
+  dtest.write_corpus_dir(str(root / "corpus"), (("train", 240), ("validation", 13),
+                                                ("test", 30)))
+  return root
+
+
+def test_load_dataset_end_to_end_resume_and_cache(corpus):
+  cfg = _cfg(corpus)
+  ds = load_dataset(cfg, str(corpus / "work"), process_index=0, process_count=1)
+  assert ds.splits == ("train", "validation", "test") and ds.num_examples("train") == 240
+  assert ds.tokenizer.vocab_size <= 300 and ds.stats["kept"] + ds.stats["dropped_too_long"] \
+      == 240
+  it = ds.train_batches(0)
+  first = [next(it) for _ in range(5)]
+  assert set(first[0]) == {"src", "tgt", "src_segments", "tgt_segments", "src_positions",
+                           "tgt_positions"}
+  assert first[0]["src"].shape == (8, 32)
+  # A new process (same workdir: vocabulary and token cache reused) resumes at step 3.
+  ds2 = load_dataset(cfg, str(corpus / "work"), process_index=0, process_count=1)
+  assert ds2.tokenizer.model_proto == ds.tokenizer.model_proto
+  b3 = next(ds2.train_batches(3))
+  for name in b3:
+    np.testing.assert_array_equal(b3[name], first[3][name])
+  # Decoding a packed segment gives back a training sentence.
+  src_text, _ = ds.source.read("train")
+  seg = first[0]["src_segments"][0]
+  assert ds.tokenizer.decode(first[0]["src"][0][seg == 1]) in set(src_text)
+
+
+def test_host_shards_are_disjoint_and_cover(corpus):
+  cfg = _cfg(corpus)
+  shards = [load_dataset(cfg, str(corpus / "work"), process_index=p, process_count=2)
+            for p in range(2)]
+  texts = set()
+  for p, ds in enumerate(shards):
+    assert ds.host_batch_size == 4
+    b = next(ds.train_batches(0))
+    assert b["src"].shape == (4, 32)
+    assert ds.stats["host_examples"] == 120
+    src, _ = ds._train.src, ds._train.tgt
+    texts |= {(p, ds.tokenizer.decode(src[i])) for i in range(len(src))}
+  a = {t for p, t in texts if p == 0}
+  b = {t for p, t in texts if p == 1}
+  full, _ = shards[0].source.read("train")
+  assert a | b <= set(full) and len(a | b) >= len(set(full)) - shards[0].stats[
+      "dropped_too_long"] - shards[1].stats["dropped_too_long"]
+
+
+def test_eval_batches_pad_never_drop(corpus):
+  cfg = _cfg(corpus, max_src_len=6)   # many test sources are longer: truncated, kept
+  ds = load_dataset(cfg, str(corpus / "work6"), process_index=0, process_count=1)
+  batches = list(ds.eval_batches("test", 8))
+  assert len(batches) == 4                               # 30 examples -> 8, 8, 8, 6
+  src_text, tgt_text = ds.source.read("test")
+  got = [t for b in batches for t, v in zip(b["tgt_text"], b["valid"]) if v]
+  assert got == tgt_text
+  last = batches[-1]
+  assert last["valid"].tolist() == [True] * 6 + [False] * 2
+  assert np.all(last["src"][6:] == 0) and np.all(last["tgt"][6:] == 0)
+  assert last["src_text"][6:] == ["", ""]
+  assert all(b["src"].shape == (8, 6) for b in batches)  # truncated to max_src_len
+  assert all(b["src"].dtype == np.int32 for b in batches)
+  assert np.all((batches[0]["src"] == EOS_ID).sum(1) == 1)  # EOS kept after truncation
+  for row, ref in zip(batches[0]["tgt"], tgt_text):  # maybe truncated to max_tgt_len
+    assert ref.startswith(ds.tokenizer.decode(row)) and ds.tokenizer.decode(row)
+  assert len(list(ds.eval_batches("validation", 8, max_examples=10))) == 2
+  assert ds.stats["dropped_too_long"] > 0               # training policy is "drop"
