@@ -182,10 +182,10 @@ def _allowed_logits(logits_NxV, length, *, eos_id, pad_id, min_len):
   """float32 logits with pad (always) and EOS (while length < min_len) set to -inf;
   `length` is the hypothesis length if this step's token ends it."""
   logits_NxV = logits_NxV.astype(jnp.float32)
-  vocab = jnp.arange(logits_NxV.shape[-1])
-  banned = vocab == pad_id
+  ids = jnp.arange(logits_NxV.shape[-1])
+  banned = ids == pad_id
   if min_len > 0:
-    banned = banned | ((vocab == eos_id) & (length < min_len))
+    banned = banned | ((ids == eos_id) & (length < min_len))
   return jnp.where(banned, NEG_INF, logits_NxV)
 
 
@@ -222,7 +222,7 @@ def filter_logits(logits_NxV, strategy: Sample):
   x = logits_NxV / jnp.float32(strategy.temperature)
   vocab = x.shape[-1]
   if 0 < strategy.top_k < vocab:
-    kth = lax.top_k(x, strategy.top_k)[0][..., -1:]
+    kth = top_k(x, strategy.top_k)[0][..., -1:]
     x = jnp.where(x < kth, NEG_INF, x)
   if strategy.top_p < 1.0:
     sorted_x = -jnp.sort(-x, axis=-1)                       # descending

@@ -1,0 +1,136 @@
+"""Decoding speed: the cached loop against the same loop recomputing the whole prefix.
+
+    python bench/bench_decode.py                      # everything (several minutes on CPU)
+    python bench/bench_decode.py --models small --modes cached
+
+Workloads (issue 5): random params, random sources of 32 tokens, 64 new tokens per row (EOS
+is forbidden before the 64th token via min_len, so every row decodes exactly 64 tokens);
+`small` = get_config('small', vocab_size=8000) at batch 16, `base` = get_config('base',
+vocab_size=32000) at batch 8. Strategies: greedy and beam search of 4 (alpha 0.6).
+
+Modes: `cached` is `decoding.decode` as users call it (KV cache, cross-attention keys and
+values projected once); `full` is the same jitted loop with `full_recompute=True`: every
+step runs the teacher-forced decoder (`Transformer.decode`) over the whole [rows, 64] token
+buffer, recomputing self- and cross-attention keys/values and the logits of all 64
+positions (causal masking makes the result equal; tests check it).
+
+tokens/s counts output tokens of the returned translation (batch x 64 per call), whatever
+the beam size. compile_s is the first call minus a warm call (tracing + XLA compilation of
+the one decode program). cpu_s is the process CPU time of a warm call (steadier than wall
+time on a shared machine). Prints a table and writes JSON to bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import seq2seq
+from seq2seq import decoding
+from seq2seq.model import Transformer
+
+WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
+STRATEGIES = {"greedy": decoding.Greedy(), "beam4": decoding.Beam(size=4, alpha=0.6)}
+# Targets for later optimisation (issue 5), cached tokens/s on the reference CPU.
+TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
+           ("base", "greedy"): 1100, ("base", "beam4"): 550}
+BOS, EOS = 1, 2
+
+
+def _time_decode(cfg, params, src, strategy, new_tokens, full_recompute, repeats):
+  def call():
+    t, c = time.perf_counter(), time.process_time()
+    out = decoding.decode(cfg, params, src, strategy, bos_id=BOS, eos_id=EOS,
+                          max_len=new_tokens, min_len=new_tokens,
+                          full_recompute=full_recompute)
+    return time.perf_counter() - t, time.process_time() - c, out
+
+  first, _, out = call()
+  assert (out.lengths == new_tokens).all(), out.lengths
+  runs = [call()[:2] for _ in range(repeats)]
+  warm = statistics.median(r[0] for r in runs)
+  return dict(first_call_s=first, compile_s=max(first - warm, 0.0), run_s=warm,
+              runs_s=[r[0] for r in runs], cpu_s=statistics.median(r[1] for r in runs),
+              tokens_per_s=src.shape[0] * new_tokens / warm)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--models", default="small,base")
+  ap.add_argument("--strategies", default="greedy,beam4")
+  ap.add_argument("--modes", default="cached,full", help="cached and/or full (recompute)")
+  ap.add_argument("--src_len", type=int, default=32)
+  ap.add_argument("--new_tokens", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=5, help="warm calls timed (cached)")
+  ap.add_argument("--full_repeats", type=int, default=1, help="warm calls timed (full)")
+  ap.add_argument("--dtype", default="float32", help="compute dtype (float32 or bfloat16)")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                "decode.json"))
+  args = ap.parse_args(argv)
+
+  rows = []
+  for name in args.models.split(","):
+    w = WORKLOADS[name]
+    cfg = seq2seq.get_config(name, vocab_size=w["vocab_size"]).replace(
+        dropout_rate=0.0, dtype=args.dtype)
+    x = jnp.ones((1, 4), jnp.int32)
+    params = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)
+    rng = np.random.default_rng(0)
+    src = rng.integers(3, cfg.vocab_size, (w["batch"], args.src_len)).astype(np.int32)
+    src[:, -1] = EOS
+    for sname in args.strategies.split(","):
+      result = {}
+      for mode in args.modes.split(","):
+        r = _time_decode(cfg, params, src, STRATEGIES[sname], args.new_tokens,
+                         mode == "full", args.repeats if mode == "cached" else args.full_repeats)
+        result[mode] = r
+        print(f"  {name:5s} {sname:6s} {mode:6s} {r['tokens_per_s']:9.0f} tok/s  "
+              f"run {r['run_s']:.3f}s (cpu {r['cpu_s']:.3f}s)  compile {r['compile_s']:.1f}s",
+              file=sys.stderr, flush=True)
+      row = dict(model=name, strategy=sname, batch=w["batch"], vocab=cfg.vocab_size,
+                 target_tokens_per_s=TARGETS[(name, sname)], **result)
+      if "cached" in result and "full" in result:
+        row["speedup"] = result["cached"]["tokens_per_s"] / result["full"]["tokens_per_s"]
+      rows.append(row)
+
+  head = (f"{'model':6s} {'strategy':8s} {'batch':>5s} {'cached tok/s':>12s} {'target':>7s} "
+          f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s}")
+  print(f"\nDecode speed: src_len {args.src_len}, {args.new_tokens} new tokens, "
+        f"dtype {args.dtype}, jax {jax.__version__}, {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n{head}\n"
+        f"{'-' * len(head)}")
+  for r in rows:
+    c, f = r.get("cached"), r.get("full")
+    print(f"{r['model']:6s} {r['strategy']:8s} {r['batch']:5d} "
+          f"{c['tokens_per_s'] if c else float('nan'):12.0f} {r['target_tokens_per_s']:7d} "
+          f"{f['tokens_per_s'] if f else float('nan'):10.0f} "
+          f"{r.get('speedup', float('nan')):7.1f}x "
+          f"{c['compile_s'] if c else float('nan'):9.1f}")
+  small_greedy = next((r for r in rows if r["model"] == "small" and r["strategy"] == "greedy"
+                       and "speedup" in r), None)
+  if small_greedy:
+    ok = small_greedy["speedup"] >= 8
+    print(f"\nsmall greedy: cache is {small_greedy['speedup']:.1f}x faster than recomputing "
+          f"({'meets' if ok else 'MISSES'} the >= 8x requirement)")
+
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+              jax=jax.__version__, device=jax.devices()[0].device_kind,
+              cpu_count=os.cpu_count(), machine=platform.machine(),
+              load_avg=os.getloadavg(), args=vars(args))
+  with open(args.out, "w") as f:
+    json.dump(dict(meta=meta, results=rows), f, indent=2)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
