@@ -90,16 +90,15 @@ class Source:
     return src, tgt
 
 
-def _prepare(make_builder, process_index: int, what: str, downloads: bool
+def _prepare(builder, make_builder, process_index: int, what: str, downloads: bool
              ) -> tfds.core.DatasetBuilder:
-  """Process 0 builds (or checks) the dataset; the others wait until it is there."""
-  builder = make_builder()
+  """Process 0 builds the dataset; the others wait until it is there."""
   if builder.is_prepared():
     return builder
   if process_index != 0:
     wait_for(lambda: make_builder().is_prepared(), f"TFDS dataset {what}", PREPARE_TIMEOUT,
              poll=5.0)
-    return make_builder()
+    return make_builder()  # re-read now that the files exist
   log.info("preparing TFDS dataset %s in %s", what, builder.data_dir)
   from tensorflow_datasets.core.utils import tqdm_utils
   was = getattr(tqdm_utils, "_active", True)
@@ -126,9 +125,11 @@ def open_source(cfg: Config, process_index: int = 0) -> Source:
         d.train_files, d.validation_files, d.test_files, d.src_lang, d.tgt_lang, data_dir)
   else:
     make = lambda: catalog.get_builder(d.dataset, data_dir)  # noqa: E731
-  src_key, tgt_key = catalog.supervised_keys(make(), d.reverse)  # before any download
+  builder = make()
+  src_key, tgt_key = catalog.supervised_keys(builder, d.reverse)  # before any download
   downloads = d.dataset not in ("numbers", "parallel_text")
-  return Source(_prepare(make, process_index, d.dataset, downloads), src_key, tgt_key)
+  builder = _prepare(builder, make, process_index, d.dataset, downloads)
+  return Source(builder, src_key, tgt_key)
 
 
 class Dataset:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from typing import Iterator
 
 import numpy as np
@@ -33,7 +34,8 @@ class Ragged:
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
     offsets = np.zeros(len(seqs) + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
+                       count=int(offsets[-1]))
     return cls(flat, offsets)
 
   def __len__(self) -> int:

@@ -134,10 +134,11 @@ def wait_for(predicate, what: str, timeout: float, poll: float = 1.0) -> None:
   """Polls `predicate()` until true; UserError after `timeout` seconds."""
   deadline = time.monotonic() + timeout
   while not predicate():
-    if time.monotonic() > deadline:
+    left = deadline - time.monotonic()
+    if left <= 0:
       raise UserError(f"timed out after {timeout:.0f}s waiting for {what} (written by "
                       f"process 0; is the directory shared between hosts?)")
-    time.sleep(poll)
+    time.sleep(min(poll, left))
 
 
 def get_tokenizer(path: str, sentences_fn, *, vocab_size: int, model_type: str,
