@@ -83,6 +83,11 @@ class DataConfig:
   max_tgt_len: int = 64
   length_policy: str = "drop"    # over-long training pairs: "drop" or "truncate"
   pack: bool = True              # pack training rows (segment ids) or pad one pair per row
+  # The training set is split into `num_shards` shards (0 = one per host); each global batch
+  # takes batch_size / num_shards rows from every shard, and a host reads only its shards.
+  # Fix it (e.g. to the largest host count you will use) and the batches no longer depend
+  # on how many hosts run: 1 host and 2 hosts then train on exactly the same data.
+  num_shards: int = 0
 
   def __post_init__(self):
     _check(self.length_policy in ("drop", "truncate"),
@@ -91,6 +96,7 @@ class DataConfig:
     _check(self.max_src_len > 1 and self.max_tgt_len > 1, "max_src_len/max_tgt_len must be > 1")
     _check(0.0 < self.character_coverage <= 1.0,
            f"character_coverage must be in (0, 1], got {self.character_coverage}")
+    _check(self.num_shards >= 0, f"num_shards must be >= 0, got {self.num_shards}")
 
   def replace(self, **kw) -> "DataConfig":
     return dataclasses.replace(self, **kw)

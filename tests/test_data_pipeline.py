@@ -212,13 +212,33 @@ def test_host_shards_are_disjoint_and_cover(corpus):
     b = next(ds.train_batches(0))
     assert b["src"].shape == (4, 32)
     assert ds.stats["host_examples"] == 120
-    src, _ = ds._train.src, ds._train.tgt
+    src = ds._streams[0].src
     texts |= {(p, ds.tokenizer.decode(src[i])) for i in range(len(src))}
   a = {t for p, t in texts if p == 0}
   b = {t for p, t in texts if p == 1}
   full, _ = shards[0].source.read("train")
   assert a | b <= set(full) and len(a | b) >= len(set(full)) - shards[0].stats[
       "dropped_too_long"] - shards[1].stats["dropped_too_long"]
+
+
+def test_fixed_shards_make_batches_independent_of_host_count(corpus):
+  """With num_shards fixed, 2 hosts' rows stacked == 1 host's batch, step by step."""
+  cfg = _cfg(corpus)
+  cfg = cfg.replace(data=cfg.data.replace(num_shards=2))
+  one = load_dataset(cfg, str(corpus / "work"), process_index=0, process_count=1)
+  two = [load_dataset(cfg, str(corpus / "work"), process_index=p, process_count=2)
+         for p in range(2)]
+  it1 = one.train_batches(5)
+  it2 = [ds.train_batches(5) for ds in two]
+  for _ in range(3):
+    b1, parts = next(it1), [next(it) for it in it2]
+    for k in b1:
+      np.testing.assert_array_equal(b1[k], np.concatenate([p[k] for p in parts]))
+  # without a fixed shard count the single host reads the data in another order
+  other = next(load_dataset(_cfg(corpus), str(corpus / "work"), process_index=0,
+                            process_count=1).train_batches(5))
+  assert not np.array_equal(other["src"], np.concatenate(
+      [next(ds.train_batches(5))["src"] for ds in two]))
 
 
 def test_eval_batches_pad_never_drop(corpus):

@@ -180,42 +180,56 @@ class Dataset:
   def _build_train(self):
     d, t = self.cfg.data, self.cfg.train
     n = self.source.num_examples("train")
-    # This host's examples: every process_count-th, starting at process_index.
-    host_idx = np.arange(self.process_index, n, self.process_count)
-    if len(host_idx) == 0:
-      raise UserError(f"the training split has {n} examples, fewer than the "
-                      f"{self.process_count} hosts")
-    shard = f"{self.process_index}of{self.process_count}"
-    src, tgt = self._tokenized("train", host_idx, shard)
+    shards = d.num_shards or self.process_count
+    if shards % self.process_count or t.batch_size % shards:
+      raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
+                      f"({self.process_count}) and divide batch_size ({t.batch_size})")
+    per_host = shards // self.process_count
+    mine = range(self.process_index * per_host, (self.process_index + 1) * per_host)
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
-    src, tgt, kept, stats = apply_length_policy(src, tgt, src_limit, tgt_limit,
-                                                d.length_policy)
-    if stats["kept"] == 0:
-      raise UserError(f"all {len(host_idx)} training pairs of this host are longer than "
-                      f"the limits (source {src_limit}, target {tgt_limit} tokens with EOS); "
-                      f"raise max_src_len/max_tgt_len/seq_len or use length_policy=truncate")
-    over = stats["dropped_too_long"] + stats["truncated"]
+    self._streams, totals, host_examples = [], {}, 0
+    for shard in mine:
+      # Shard `shard`: every `shards`-th example, starting at `shard`.
+      idx = np.arange(shard, n, shards)
+      if len(idx) == 0:
+        raise UserError(f"the training split has {n} examples, fewer than the {shards} shards")
+      src, tgt = self._tokenized("train", idx, f"{shard}of{shards}")
+      src, tgt, _, stats = apply_length_policy(src, tgt, src_limit, tgt_limit, d.length_policy)
+      if stats["kept"] == 0:
+        raise UserError(f"all {len(idx)} training pairs of shard {shard} are longer than "
+                        f"the limits (source {src_limit}, target {tgt_limit} tokens with EOS); "
+                        f"raise max_src_len/max_tgt_len/seq_len or use length_policy=truncate")
+      for k in ("kept", "dropped_too_long", "truncated"):
+        totals[k] = totals.get(k, 0) + stats[k]
+      host_examples += len(idx)
+      self._streams.append(TrainStream(src, tgt, batch_size=t.batch_size // shards,
+                                       seq_len=t.seq_len, pack=d.pack, seed=t.seed,
+                                       process_index=shard))
+    over = totals["dropped_too_long"] + totals["truncated"]
     if over:
       log.warning("%d of %d training pairs are longer than %d/%d tokens: %s", over,
-                  len(host_idx), src_limit, tgt_limit,
+                  host_examples, src_limit, tgt_limit,
                   "dropped" if d.length_policy == "drop" else "truncated")
-    self._train = TrainStream(src, tgt, batch_size=self.host_batch_size, seq_len=t.seq_len,
-                              pack=d.pack, seed=t.seed, process_index=self.process_index)
     self.stats = {
         "dataset": self.source.name, "source_key": self.source.src_key,
         "target_key": self.source.tgt_key, "vocab_size": self.tokenizer.vocab_size,
-        "train_examples": n, "host_examples": int(len(host_idx)),
+        "train_examples": n, "host_examples": int(host_examples), "num_shards": shards,
         "process_index": self.process_index, "process_count": self.process_count,
         "length_policy": d.length_policy, "max_src_len": src_limit, "max_tgt_len": tgt_limit,
-        "kept": stats["kept"], "dropped_too_long": stats["dropped_too_long"],
-        "truncated": stats["truncated"], "pack": d.pack,
-        **self._train.epoch_stats(0)}
+        **totals, "pack": d.pack,
+        **self._streams[0].epoch_stats(0)}  # (packing figures of this host's first shard)
 
   def train_batches(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """Infinite batches of int32 [batch_size // process_count, seq_len]: src, tgt (EOS-
     terminated, no BOS), src/tgt_segments (0 pad, 1.. example), src/tgt_positions.
-    Batch k depends only on (seed, k, process_index): resuming at k repeats it exactly."""
-    return self._train(int(start_step))
+    Batch k depends only on (seed, k, the shard): resuming at k repeats it exactly, and
+    this host's rows are its shards' rows, stacked."""
+    step = int(start_step)
+    while True:
+      parts = [s.batch(step) for s in self._streams]
+      yield parts[0] if len(parts) == 1 else {
+          k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+      step += 1
 
   # --- evaluation ---------------------------------------------------------------------
 

@@ -127,7 +127,7 @@ def atomic_write(path: str, data: bytes) -> None:
   p.parent.mkdir(parents=True, exist_ok=True)
   tmp = p.parent / f".{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   tmp.write_bytes(data)
-  tmp.rename(p)
+  tmp.replace(p)  # replace, not rename: another host may have written the same file
 
 
 def wait_for(predicate, what: str, timeout: float, poll: float = 1.0) -> None:
