@@ -484,7 +484,8 @@ def decode(model_or_config: Transformer | TransformerConfig, params, src_BxS,
   tokens [B, n, L] with n = 1 or n_best, scores [B, n], lengths [B, n]).
 
   params: the model's variables ({"params": ...}) or the bare params tree.
-  src_BxS: int source ids, EOS-terminated, right-padded with pad_id.
+  src_BxS: int source ids, EOS-terminated, right-padded with pad_id (which must be 0: the
+    model's masks treat id 0 as padding).
   max_len: output buffer length L and every row's limit; None = per row source length + 50,
     buffer S + 50; both capped at config.max_len.
   rng: key, raw key data or int seed for sampling (None = seed 0, so runs are repeatable).
@@ -507,6 +508,7 @@ def decode(model_or_config: Transformer | TransformerConfig, params, src_BxS,
   for name, v in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
     _check(_is_int(v) and 0 <= v < cfg.vocab_size,
            f"{name} must be a token id in [0, {cfg.vocab_size}), got {v!r}")
+  _check(pad_id == 0, f"pad_id must be 0, the id the model masks as padding, got {pad_id}")
   _check(len({bos_id, eos_id, pad_id}) == 3,
          f"bos_id, eos_id and pad_id must differ, got {bos_id}, {eos_id}, {pad_id}")
   if max_len is None:

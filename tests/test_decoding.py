@@ -216,6 +216,7 @@ def test_translate_keeps_input_order_and_matches_decode(params):
 @pytest.mark.parametrize("kw, msg", [
     (dict(src=np.full((1, 65), 5)), "source length 65 exceeds"),
     (dict(bos_id=0), "must differ"),
+    (dict(bos_id=2, eos_id=3, pad_id=1), "pad_id must be 0"),
     (dict(eos_id=V), "eos_id must be a token id"),
     (dict(max_len=65), "max_len must be in"),
     (dict(strategy=Beam(), return_logits=True), "return_logits"),
