@@ -402,10 +402,10 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
         eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar)
     ckpts.wait()
     if not stopped_early:
-      eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar)
-      if "test" in ds.splits:
-        test_metrics = _run_eval(trainer, cfg, state, ds, "test", writer, step, bar,
-                                 samples=5)
+      eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar,
+                               final=True)
+      test_metrics = _run_eval(trainer, cfg, state, ds, "test", writer, step, bar, samples=5,
+                               final=True)
   finally:
     if bar is not None:
       bar.close()
@@ -418,13 +418,13 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
                      seconds=time.time() - t_start, stopped_early=stopped_early)
 
 
-def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 3) -> dict:
+def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 3,
+              final: bool = False) -> dict:
   if split not in ds.splits:
     return {}
-  tc = cfg.train
-  m = evaluate_loss(trainer, state.params, ds, split, tc.num_eval_examples)
-  tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split,
-                                       tc.num_eval_examples)
+  n = 0 if final else cfg.train.num_eval_examples
+  m = evaluate_loss(trainer, state.params, ds, split, n)
+  tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split, n)
   m.update(tm)
   writer.write(step, split, m)
   if _is_main():
