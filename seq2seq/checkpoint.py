@@ -108,6 +108,33 @@ def abstract_state(cfg: Config):
   return jax.eval_shape(lambda: train_lib.init_state(cfg, jax.random.key(0)))
 
 
+def _check_param_shapes(workdir, ckpts: Checkpoints, step: int | None, params) -> None:
+  """UserError if the stored parameters of `step` (default: the newest) differ in names or
+  shapes from `params` (those config.json describes), e.g. after config.json was edited.
+  Checked from the checkpoint's metadata before restoring, so the user sees one line rather
+  than Orbax's per-array errors and a fallback through every older checkpoint."""
+  s = step if step is not None else ckpts.steps()[-1]
+  try:
+    with ocp.StandardCheckpointer() as reader:
+      stored = reader.metadata(ckpts.directory / str(s) / "state").item_metadata["params"]
+  except Exception:  # unreadable metadata: restore() reports (or skips) this checkpoint
+    return
+
+  def shapes(tree):
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(x.shape)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  want, have = shapes(params), shapes(stored)
+  if want == have:
+    return
+  diff = [f"{k}: stored {have[k]}, config {want[k]}" for k in want
+          if k in have and have[k] != want[k]]
+  diff += [f"{k} not in the checkpoint" for k in want if k not in have]
+  diff += [f"{k} not in the config" for k in have if k not in want]
+  raise UserError(f"{workdir}: checkpoint {s} does not match its {CONFIG_FILE} "
+                  f"({'; '.join(diff[:2])}{'; ...' if len(diff) > 2 else ''}); was "
+                  f"{CONFIG_FILE} edited?")
+
+
 def load_workdir(workdir, step: int | None = None):
   """(config, params, tokenizer) from a workdir written by train.py, on the default device."""
   from seq2seq.data import Tokenizer
@@ -127,6 +154,7 @@ def load_workdir(workdir, step: int | None = None):
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                      sharding=jax.sharding.SingleDeviceSharding(device)),
       abstract_state(cfg))
+  _check_param_shapes(workdir, ckpts, step, target.params)
   try:
     restored = ckpts.restore(target, step)
   except (ValueError, TypeError) as e:

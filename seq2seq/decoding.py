@@ -29,6 +29,10 @@ Conventions shared by every strategy:
     positions the model knows. Because the default limit is per row, a batch decodes
     exactly as each of its sources alone.
   * Lengths count generated tokens, EOS included.
+
+Sentences in, sentences out: `translate` (best hypothesis of each sentence) and
+`translate_nbest` (every hypothesis with its score; cuts over-long sources, skips empty
+ones). decode.py also uses `strategy_from_flags` and `read_lines`.
 """
 from __future__ import annotations
 
@@ -535,24 +539,73 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
-              strategy: Strategy = Greedy(), *, batch_size: int = 64, length_multiple: int = 16,
-              max_len: int | None = None, rng=None) -> list[str]:
-  """Translates `sentences`, returning the best hypothesis of each, in input order.
+class Translations(NamedTuple):
+  """What `translate_nbest` returns, in input order.
+
+  texts       [sentence][hypothesis] strings, best first: n_best of them for beam search
+              (fewer only if the beam held fewer), one for greedy and sampling.
+  scores      the same shape: DecodeResult.scores (log-probability; for beam search divided
+              by the length penalty). A skipped empty sentence has [""] and [0.0].
+  num_tokens  tokens generated over all returned hypotheses, EOS included.
+  truncated   indices of the sentences whose source was cut to config.max_len tokens.
+  """
+  texts: list[list[str]]
+  scores: list[list[float]]
+  num_tokens: int
+  truncated: list[int]
+
+
+def encode_sources(tokenizer, sentences: Sequence[str], max_len: int, *,
+                   truncate: bool = True) -> tuple[list[list[int]], list[int]]:
+  """(sources, truncated): `tokenizer.encode(s) + [eos]` per sentence, and the indices of
+  those longer than `max_len` tokens, which are cut to max_len with EOS kept as the last
+  token (truncate=True) or raise UserError (truncate=False)."""
+  eos = int(tokenizer.eos_id)
+  srcs, truncated = [], []
+  for i, sentence in enumerate(sentences):
+    ids = list(tokenizer.encode(sentence)) + [eos]
+    if len(ids) > max_len:
+      _check(truncate, f"sentence {i} has {len(ids)} tokens (EOS included); the model reads "
+             f"at most {max_len}")
+      ids = ids[:max_len - 1] + [eos]
+      truncated.append(i)
+    srcs.append(ids)
+  return srcs, truncated
+
+
+def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
+                    strategy: Strategy = Greedy(), *, batch_size: int = 64,
+                    length_multiple: int = 16, max_len: int | None = None, rng=None,
+                    truncate: bool = True, skip_empty: bool = True,
+                    progress: Callable[[int], Any] | None = None) -> Translations:
+  """Translates `sentences`: every hypothesis (n_best for beam search) with its score.
 
   Sources are `tokenizer.encode(s) + [eos]`. Sentences are sorted by length and batched;
   each batch is padded to a multiple of `length_multiple` tokens and to a power-of-two
-  number of rows (at most batch_size), so few shapes are compiled and reused.
+  number of rows (at most batch_size), so few shapes are compiled and reused. Batch `n`
+  decodes with `fold_in(rng, n)`.
+
+  truncate: a source longer than config.max_len is cut to it (EOS kept) and listed in
+    `truncated`; False raises UserError instead.
+  skip_empty: a sentence with no tokens (empty or blank) translates to "" with score 0
+    without running the model; False decodes it as the source [eos].
+  progress: called with the number of sentences finished after each batch.
   """
+  _check(isinstance(strategy, (Greedy, Sample, Beam)),
+         f"strategy must be Greedy(), Sample(...) or Beam(...), got {strategy!r}")
   _check(_is_int(batch_size) and batch_size >= 1, f"batch_size must be >= 1, got {batch_size!r}")
+  _check(max_len is None or (_is_int(max_len) and 1 <= max_len <= cfg.max_len),
+         f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
   pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
-  srcs = [list(tokenizer.encode(s)) + [eos] for s in sentences]
-  for i, s in enumerate(srcs):
-    _check(len(s) <= cfg.max_len, f"sentence {i} has {len(s)} tokens (EOS included); the "
-           f"model reads at most {cfg.max_len}")
-  order = sorted(range(len(srcs)), key=lambda i: len(srcs[i]))
+  srcs, truncated = encode_sources(tokenizer, sentences, cfg.max_len, truncate=truncate)
+  texts: list[list[str]] = [[""] for _ in srcs]
+  scores: list[list[float]] = [[0.0] for _ in srcs]
+  todo = [i for i, s in enumerate(srcs) if not (skip_empty and len(s) == 1)]
+  if progress is not None and len(todo) < len(srcs):
+    progress(len(srcs) - len(todo))
+  order = sorted(todo, key=lambda i: len(srcs[i]))
   key = _as_key(rng)
-  out: list[str | None] = [None] * len(srcs)
+  num_tokens = 0
   for n, start in enumerate(range(0, len(order), batch_size)):
     idx = order[start:start + batch_size]
     rows = min(batch_size, 1 << (len(idx) - 1).bit_length())
@@ -563,6 +616,74 @@ def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str
       src[r, :len(srcs[i])] = srcs[i]
     res = decode(cfg, params, src, strategy, bos_id=int(tokenizer.bos_id), eos_id=eos,
                  pad_id=pad, max_len=max_len, rng=jax.random.fold_in(key, n))
-    for r, ids in enumerate(res.token_lists(eos)[:len(idx)]):
-      out[idx[r]] = tokenizer.decode(ids)
-  return out
+    hyps = [res.token_lists(eos, j) for j in range(res.tokens.shape[1])]
+    for r, i in enumerate(idx):
+      # An empty beam slot (score -inf) is dropped; the best hypothesis is always kept.
+      keep = [j for j in range(len(hyps)) if j == 0 or res.scores[r, j] > -np.inf]
+      texts[i] = [tokenizer.decode(hyps[j][r]) for j in keep]
+      scores[i] = [float(res.scores[r, j]) for j in keep]
+      num_tokens += int(sum(res.lengths[r, j] for j in keep))
+    if progress is not None:
+      progress(len(idx))
+  return Translations(texts, scores, num_tokens, truncated)
+
+
+def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
+              strategy: Strategy = Greedy(), *, batch_size: int = 64, length_multiple: int = 16,
+              max_len: int | None = None, rng=None) -> list[str]:
+  """Translates `sentences`, returning the best hypothesis of each, in input order.
+
+  Sources are `tokenizer.encode(s) + [eos]`; one longer than config.max_len raises
+  UserError, and an empty sentence is decoded like any other (`translate_nbest` with
+  truncate=False, skip_empty=False; see it for the batching).
+  """
+  out = translate_nbest(params, cfg, tokenizer, sentences, strategy, batch_size=batch_size,
+                        length_multiple=length_multiple, max_len=max_len, rng=rng,
+                        truncate=False, skip_empty=False)
+  return [t[0] for t in out.texts]
+
+
+# ---------------------------------------------------------------------------------------
+# What the decode.py command line needs.
+
+DEFAULT_BEAM = Beam()  # the paper's beam search: 4 hypotheses, alpha 0.6
+
+
+def strategy_from_flags(*, beam_size: int | None = None, alpha: float | None = None,
+                        n_best: int | None = None, temperature: float | None = None,
+                        top_k: int | None = None, top_p: float | None = None) -> Strategy:
+  """decode.py's rule (None = flag not given): any of temperature / top_k / top_p means
+  sampling, beam_size 1 means greedy, otherwise beam search (default size 4, alpha 0.6).
+  Options that contradict the chosen strategy raise UserError, e.g. top_k with a beam size
+  above 1, alpha or n_best with sampling, temperature <= 0, top_p outside (0, 1]."""
+  sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items()
+              if v is not None}
+  if sampling:
+    _check(beam_size is None or beam_size == 1,
+           f"{', '.join(sampling)} (sampling) cannot be used with beam search (beam size "
+           f"{beam_size!r}); drop the beam size to sample")
+    return get_strategy("sample", alpha=alpha, n_best=n_best, **sampling)
+  if beam_size == 1:
+    return get_strategy("greedy", alpha=alpha, n_best=n_best)
+  return get_strategy("beam", beam_size=DEFAULT_BEAM.size if beam_size is None else beam_size,
+                      alpha=DEFAULT_BEAM.alpha if alpha is None else alpha, n_best=n_best)
+
+
+def read_lines(source) -> list[str]:
+  r"""The lines of `source`: a path, or an open binary or text stream (e.g. standard input).
+  Lines split at "\n" only; "\n" / "\r\n" ends and a leading byte-order mark removed;
+  bytes that are not UTF-8 become U+FFFD. A missing or unreadable file raises UserError."""
+  if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+    try:
+      with open(source, "rb") as f:
+        data = f.read()
+    except OSError as e:
+      raise UserError(f"cannot read {source}: {e.strerror or e}") from None
+  else:
+    data = source.read()
+  text = data.decode("utf-8-sig", errors="replace") if isinstance(data, bytes) else data
+  text = text.removeprefix("\ufeff")
+  lines = text.split("\n")
+  if lines[-1] == "":
+    lines.pop()
+  return [line.removesuffix("\r") for line in lines]

@@ -266,6 +266,82 @@ def test_get_strategy_builds_the_dataclasses():
 
 
 # ---------------------------------------------------------------------------------------
+# What decode.py needs: n-best translation, truncation, empty lines, flags, input lines.
+
+def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypatch):
+  tok = _Chars()
+  beam = Beam(size=2, alpha=0.6, n_best=2)
+  done, results, decode = [], [], dec.decode
+  monkeypatch.setattr(dec, "decode", lambda *a, **k: results.append(decode(*a, **k))
+                      or results[-1])
+  long = "a" * 80                              # 81 tokens with EOS; the model reads 64
+  out = dec.translate_nbest(params, CFG, tok, ["hello", "", "abc", long], beam,
+                            progress=done.append)
+  (res,) = results                             # one batch of 3 sentences (4 rows)
+  assert out.num_tokens == res.lengths[:3].sum() > 0
+  assert out.truncated == [3]
+  assert done == [1, 3]                        # the empty line first, then one batch
+  assert out.texts[1] == [""] and out.scores[1] == [0.0]
+  for i in (0, 2, 3):
+    assert len(out.texts[i]) == 2 and out.texts[i][0] != out.texts[i][1]
+    assert out.scores[i][0] >= out.scores[i][1] > -np.inf
+  # Truncation keeps EOS: the cut source is the 63 first tokens + EOS, i.e. "a" * 63.
+  same = dec.translate_nbest(params, CFG, tok, ["hello", "", "abc", "a" * 63], beam)
+  assert same.truncated == [] and same.texts == out.texts and same.scores == out.scores
+  # The best hypothesis is what translate() returns (which neither cuts nor skips).
+  assert dec.translate(params, CFG, tok, ["hello", "abc", "a" * 63], beam) == \
+      [out.texts[i][0] for i in (0, 2, 3)]
+  with pytest.raises(UserError, match="sentence 0 has 81 tokens"):
+    dec.translate_nbest(params, CFG, tok, [long], beam, truncate=False)
+  # Empty lines never reach the model.
+  monkeypatch.setattr(dec, "decode", lambda *a, **k: pytest.fail("decoded an empty line"))
+  empty = dec.translate_nbest(params, CFG, tok, ["", ""], beam)
+  assert empty == dec.Translations([[""], [""]], [[0.0], [0.0]], 0, [])
+  with pytest.raises(UserError, match="max_len must be in"):
+    dec.translate_nbest(params, CFG, tok, [""], beam, max_len=CFG.max_len + 1)
+
+
+@pytest.mark.parametrize("flags, want", [
+    (dict(), Beam(4, 0.6, 1)),
+    (dict(beam_size=8, alpha=1.0, n_best=3), Beam(8, 1.0, 3)),
+    (dict(beam_size=1), Greedy()),
+    (dict(top_k=5), Sample(1.0, 5, 1.0)),
+    (dict(temperature=0.7, top_p=0.9, beam_size=1), Sample(0.7, 0, 0.9)),
+    (dict(top_k=5, beam_size=4), "cannot be used with beam search"),
+    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(temperature=-1.0), "temperature must be > 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=0.9, n_best=2), "n_best cannot be used with sample"),
+    (dict(beam_size=1, alpha=0.6), "alpha cannot be used with greedy"),
+    (dict(n_best=5), r"n_best must be an integer in \[1, beam size 4\]"),
+    (dict(beam_size=0), "beam size must be"),
+])
+def test_strategy_from_flags(flags, want):
+  if isinstance(want, str):
+    with pytest.raises(UserError, match=want) as e:
+      dec.strategy_from_flags(**flags)
+    assert "\n" not in str(e.value)
+  else:
+    assert dec.strategy_from_flags(**flags) == want
+
+
+def test_read_lines(tmp_path):
+  import io
+  path = tmp_path / "in.txt"
+  path.write_bytes(b"\xef\xbb\xbfone\r\n\ntwo\xff\xe2\x80\xa8three\rfour\n")
+  want = ["one", "", "two\ufffd\u2028three\rfour"]   # split at "\n" only
+  assert dec.read_lines(path) == dec.read_lines(str(path)) == want
+  assert dec.read_lines(io.BytesIO(path.read_bytes())) == want
+  assert dec.read_lines(io.StringIO("a\nb")) == ["a", "b"]
+  assert dec.read_lines(io.BytesIO(b"")) == []
+  with pytest.raises(UserError, match="cannot read .*nope.txt: No such file"):
+    dec.read_lines(tmp_path / "nope.txt")
+  with pytest.raises(UserError, match="Is a directory"):
+    dec.read_lines(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
 # Search cores on hand-built distributions (no Transformer).
 
 def _table_fn(logp_of_prefix):

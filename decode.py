@@ -1,0 +1,132 @@
+"""Translate with a trained workdir: one output line per input line, in input order.
+
+  python decode.py --workdir runs/bible "In the beginning" "And the earth was void"
+  python decode.py --workdir runs/bible --input test.en > test.fr
+  cat test.en | python decode.py --workdir runs/bible --top-p 0.9 --seed 1
+  python decode.py --workdir runs/bible --n-best 4 "In the beginning"
+
+Everything (model config, parameters, SentencePiece vocabulary) comes from the workdir.
+"""
+import argparse
+import os
+import sys
+import time
+
+EPILOG = """decoding strategy: beam search of 4 hypotheses with length penalty alpha 0.6 (the
+  paper's) unless --temperature, --top-k or --top-p is given (sampling) or --beam-size 1
+  (greedy). Sampling options with --beam-size above 1 are an error.
+input: the SENTENCE arguments, else the lines of --input FILE, else standard input (UTF-8).
+  An empty line gives an empty line; a line longer than the model's max_len tokens is
+  truncated (one warning for all of them).
+output: one translation per line on standard output; with --n-best N (beam search only)
+  up to N lines per input: index<TAB>score<TAB>translation (index counts input lines from
+  0; score = log-probability / length penalty; an empty input gives one line, score 0).
+  A progress bar (file or standard input) and the speed go to standard error."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # bad flags: one line and exit code 2, like every user error
+    self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_args(argv):
+  p = _Parser(description=__doc__.split("\n")[0], epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate")
+  p.add_argument("--workdir", default="runs/default",
+                 help="a workdir written by train.py (default: %(default)s)")
+  p.add_argument("--input", default=None, metavar="FILE",
+                 help="translate the lines of FILE ('-' = standard input)")
+  p.add_argument("--checkpoint-step", type=int, default=None, metavar="STEP",
+                 help="checkpoint to use (default: the latest)")
+  p.add_argument("--beam-size", type=int, default=None, help="default 4; 1 = greedy")
+  p.add_argument("--alpha", type=float, default=None, help="beam length penalty (default 0.6)")
+  p.add_argument("--n-best", type=int, default=None, metavar="N",
+                 help="print the N best hypotheses with their scores (beam search)")
+  p.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
+  p.add_argument("--top-k", type=int, default=None, help="sample from the k most probable tokens")
+  p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+  p.add_argument("--max-len", type=int, default=None, help="output length limit (default: "
+                 "source length + 50, at most the model's max_len)")
+  p.add_argument("--batch-size", type=int, default=64,
+                 help="sentences per batch (default: %(default)s)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return p.parse_args(argv)
+
+
+def _one_line(text: str) -> str:
+  """A translation may hold line breaks (byte pieces can spell any character): keep it on
+  one output line."""
+  return " ".join(text.splitlines()) if text else text
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  import absl.logging  # Orbax logs through absl: keep its chatter out of the way
+  absl.logging.set_verbosity(absl.logging.ERROR)
+  from seq2seq import decoding
+  from seq2seq.checkpoint import load_workdir
+  from seq2seq.errors import UserError
+  try:
+    strategy = decoding.strategy_from_flags(
+        beam_size=args.beam_size, alpha=args.alpha, n_best=args.n_best,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.sentences and args.input is not None:
+      raise UserError("give SENTENCE arguments or --input, not both")
+    cfg, params, tokenizer = load_workdir(args.workdir, args.checkpoint_step)
+    from_lines = not args.sentences
+    if not from_lines:
+      lines = args.sentences
+    elif args.input not in (None, "-"):
+      lines = decoding.read_lines(args.input)
+    else:
+      if sys.stdin.isatty():
+        print("reading sentences from standard input (end with Ctrl-D)", file=sys.stderr)
+      lines = decoding.read_lines(getattr(sys.stdin, "buffer", sys.stdin))
+    bar = None
+    if from_lines and not args.no_progress:
+      from tqdm.auto import tqdm
+      bar = tqdm(total=len(lines), unit="line", file=sys.stderr, dynamic_ncols=True)
+    start = time.perf_counter()
+    try:
+      out = decoding.translate_nbest(
+          params, cfg.model, tokenizer, lines, strategy, batch_size=args.batch_size,
+          max_len=args.max_len, rng=args.seed, progress=bar.update if bar else None)
+    finally:
+      if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - start
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+
+  try:
+    for i, (texts, scores) in enumerate(zip(out.texts, out.scores)):
+      if args.n_best is None:
+        print(_one_line(texts[0]))
+      else:
+        for text, score in zip(texts, scores):
+          print(f"{i}\t{score:.4f}\t{_one_line(text)}")
+    sys.stdout.flush()
+  except BrokenPipeError:  # e.g. `decode.py ... | head`: the reader has all it wanted
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+    return 0
+  if out.truncated:
+    shown = ", ".join(str(i + 1) for i in out.truncated[:5])
+    more = ", ..." if len(out.truncated) > 5 else ""
+    print(f"warning: {len(out.truncated)} input line(s) longer than the model's "
+          f"{cfg.model.max_len} tokens were truncated (line {shown}{more})", file=sys.stderr)
+  print(f"{len(lines)} lines, {out.num_tokens} tokens generated in {seconds:.2f} s "
+        f"({out.num_tokens / max(seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  for stream in (sys.stdout, sys.stderr):  # translations are UTF-8, whatever the locale
+    if hasattr(stream, "reconfigure"):
+      stream.reconfigure(encoding="utf-8", errors="replace")
+  sys.exit(main())

@@ -1,0 +1,228 @@
+"""decode.py end to end on a tiny workdir trained once for the module (~20 s), and each
+kind of bad input: one line on stderr, exit code 2.
+
+Most runs call `decode.main` in this process (so the jitted decoders compile once for the
+whole file); one runs the real script with a pipe on standard input."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import decode as decode_script  # noqa: E402
+
+from seq2seq import decoding  # noqa: E402
+from seq2seq.checkpoint import load_workdir  # noqa: E402
+
+MAX_LEN = 64
+UNSEEN = "vingt-trois 日本語 ☃ 🙂"   # characters the vocabulary never saw
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """10 steps of a tiny model on English→French numbers; checkpoints at steps 5 and 10."""
+  from num2words import num2words
+  root = tmp_path_factory.mktemp("decode_cli")
+  train = root / "train.tsv"
+  train.write_text("".join(f"{num2words(n)}\t{num2words(n, lang='fr')}\n" for n in range(300)))
+  args = ["--workdir", str(root / "w"), "--config", "tiny", "--dataset", "parallel_text",
+          "--train_files", str(train), "--data_dir", str(root / "tfds"), "--steps", "10",
+          "--no_progress", "--config.model.d_model=32", "--config.model.num_heads=2",
+          "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+          "--config.model.d_ff=64", f"--config.model.max_len={MAX_LEN}",
+          "--config.data.vocab_size=300", "--config.data.max_src_len=32",
+          "--config.data.max_tgt_len=32", "--config.train.batch_size=8",
+          "--config.train.seq_len=32", "--config.train.warmup_steps=10",
+          "--config.train.log_every=5", "--config.train.checkpoint_every=5"]
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=str(ROOT),
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return root / "w"
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+  return load_workdir(workdir)
+
+
+def run(capsys, *argv, stdin=None, monkeypatch=None):
+  """(exit code, stdout, stderr) of decode.py with `argv`, in this process."""
+  if stdin is not None:
+    import io
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+  try:
+    code = decode_script.main(list(map(str, argv)))
+  except SystemExit as e:  # argparse
+    code = e.code
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def assert_user_error(code, out, err, message):
+  assert code == 2 and out == ""
+  assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+  assert message in err, err
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+def test_sentences_translate_like_the_library_in_order(workdir, model, capsys):
+  """Greedy: the script's output is the library's translation of the same sentences from
+  the same workdir (so the model, config and vocabulary all come from the workdir)."""
+  cfg, params, tok = model
+  sentences = ["one hundred", "seven", "two hundred and twelve", "forty-one"]
+  code, out, err = run(capsys, "--workdir", workdir, "--beam-size", 1, *sentences)
+  assert code == 0, err
+  want = decoding.translate(params, cfg.model, tok, sentences, decoding.Greedy())
+  assert out.split("\n") == want + [""]
+  assert "tokens/s" in err.strip().splitlines()[-1]
+
+
+def test_default_is_beam_4_and_input_file_keeps_order_empty_lines_and_unseen_chars(
+    workdir, model, tmp_path, capsys):
+  cfg, params, tok = model
+  lines = ["one hundred", "", "seven", "   ", UNSEEN, "two hundred and twelve"]
+  path = tmp_path / "in.txt"
+  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  code, out, err = run(capsys, "--workdir", workdir, "--input", path)
+  assert code == 0, err
+  got = out.split("\n")
+  assert len(got) == len(lines) + 1 and got[-1] == ""
+  assert got[1] == "" and got[3] == ""                 # empty and blank lines stay empty
+  # the unseen characters are spelt with byte pieces, never UNK, and do not crash
+  assert tok.unk_id not in tok.encode(UNSEEN)
+  assert tok.decode(tok.encode(UNSEEN)) == UNSEEN
+  want = decoding.translate(params, cfg.model, tok, [l for l in lines if l.strip()],
+                            decoding.Beam(size=4, alpha=0.6))
+  assert [g for g, l in zip(got, lines) if l.strip()] == want
+  assert "6/6" in err                                   # the progress bar
+  assert "6 lines" in err and "tokens/s" in err
+
+
+def test_nbest_prints_index_score_translation(workdir, model, capsys):
+  cfg, params, tok = model
+  sentences = ["one hundred", "", "seven"]
+  code, out, err = run(capsys, "--workdir", workdir, "--n-best", 3, "--alpha", 1.0,
+                       *sentences)
+  assert code == 0, err
+  rows = [line.split("\t") for line in out.splitlines()]
+  assert all(len(r) == 3 for r in rows)
+  assert [int(r[0]) for r in rows] == [0, 0, 0, 1, 2, 2, 2]
+  assert rows[3][1:] == ["0.0000", ""]                  # the empty input: one line
+  want = decoding.translate_nbest(params, cfg.model, tok, sentences,
+                                  decoding.Beam(size=4, alpha=1.0, n_best=3))
+  for i, group in ((0, rows[0:3]), (2, rows[4:7])):
+    scores = [float(r[1]) for r in group]
+    assert scores == sorted(scores, reverse=True)
+    np.testing.assert_allclose(scores, want.scores[i], atol=1e-4)
+    assert [r[2] for r in group] == want.texts[i]
+
+
+def test_sampling_from_stdin_is_reproducible_with_a_seed(workdir, capsys, monkeypatch):
+  text = "one hundred\nseven\n\n"
+  runs = [run(capsys, "--workdir", workdir, "--top-k", 5, "--temperature", 1.5, "--seed",
+              seed, "--no-progress", stdin=text, monkeypatch=monkeypatch)
+          for seed in (1, 1, 2)]
+  assert all(code == 0 for code, _, _ in runs), runs
+  outs = [out for _, out, _ in runs]
+  assert outs[0] == outs[1] and outs[0] != outs[2]
+  assert len(outs[0].split("\n")) == 4 and outs[0].split("\n")[2] == ""
+
+
+def test_over_long_line_is_truncated_with_one_warning(workdir, model, capsys):
+  _, _, tok = model
+  long = " ".join(["seventy-seven"] * 60)
+  assert len(tok.encode(long)) + 1 > MAX_LEN
+  code, out, err = run(capsys, "--workdir", workdir, "--beam-size", 1, "seven", long, long)
+  assert code == 0, err
+  assert len(out.split("\n")) == 4
+  warnings = [l for l in err.splitlines() if l.startswith("warning:")]
+  assert len(warnings) == 1 and "2 input line(s)" in warnings[0] and "(line 2, 3)" in warnings[0]
+  got = out.split("\n")
+  assert got[1] == got[2] != ""    # what the cut source gives is library-tested (test_decoding)
+
+
+def test_checkpoint_step_and_max_len(workdir, capsys):
+  outs = {}
+  for step in (5, 10):
+    code, outs[step], err = run(capsys, "--workdir", workdir, "--beam-size", 1,
+                                "--checkpoint-step", step, "--max-len", 3, "one hundred")
+    assert code == 0, err
+    assert len(outs[step].strip().split()) <= 3        # at most 3 tokens
+  _, latest, _ = run(capsys, "--workdir", workdir, "--beam-size", 1, "--max-len", 3,
+                     "one hundred")
+  assert latest == outs[10]
+
+
+def test_the_real_script_reads_standard_input(workdir):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(workdir),
+                      "--beam-size", "1"], input=f"seven\n\n{UNSEEN}\n".encode(),
+                     capture_output=True, env=env, cwd=str(ROOT), timeout=120)
+  assert p.returncode == 0, p.stderr.decode()[-2000:]
+  out = p.stdout.decode("utf-8").split("\n")
+  assert len(out) == 4 and out[1] == "" and out[3] == ""
+  assert b"tokens/s" in p.stderr
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-k", "5", "--beam-size", "4"], "cannot be used with beam search"),
+    (["--temperature", "0"], "temperature must be > 0"),
+    (["--temperature", "-0.5", "--top-k", "3"], "temperature must be > 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-p", "0.9", "--n-best", "2"], "n_best cannot be used with sample"),
+    (["--beam-size", "1", "--alpha", "0.6"], "alpha cannot be used with greedy"),
+    (["--n-best", "5"], "n_best must be an integer in [1, beam size 4]"),
+    (["--beam-size", "0"], "beam size must be"),
+    (["--beam-size", "four"], "invalid int value: 'four'"),
+    (["--input", "in.txt"], "SENTENCE arguments or --input, not both"),
+])
+def test_contradictory_options(argv, message, tmp_path, capsys):
+  """Rejected before the workdir is even read (this one does not exist)."""
+  assert_user_error(*run(capsys, "--workdir", tmp_path / "none", *argv, "one"), message)
+
+
+def test_missing_workdir(tmp_path, capsys):
+  assert_user_error(*run(capsys, "--workdir", tmp_path / "nope", "one"),
+                    f"workdir {tmp_path / 'nope'} does not exist")
+
+
+def test_workdir_without_checkpoint(workdir, tmp_path, capsys):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for name in ("config.json", "vocab.model"):
+    shutil.copy(workdir / name, empty / name)
+  assert_user_error(*run(capsys, "--workdir", empty, "one"), "holds no checkpoint")
+  assert_user_error(*run(capsys, "--workdir", tmp_path, "one"), "holds no config.json")
+
+
+def test_config_that_does_not_match_the_checkpoint(workdir, tmp_path, capsys):
+  edited = tmp_path / "edited"
+  shutil.copytree(workdir, edited)
+  cfg = json.loads((edited / "config.json").read_text())
+  cfg["model"]["d_model"] = 64
+  (edited / "config.json").write_text(json.dumps(cfg))
+  assert_user_error(*run(capsys, "--workdir", edited, "one"),
+                    "checkpoint 10 does not match its config.json")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint-step", "7", "one"], "no checkpoint at step 7 (have: 5, 10)"),
+    (["--input", "/nonexistent/in.txt"], "cannot read /nonexistent/in.txt"),
+    (["--max-len", "1000", "one"], f"max_len must be in [1, {MAX_LEN}]"),
+    (["--batch-size", "0", "one"], "batch_size must be >= 1"),
+])
+def test_bad_values_with_a_good_workdir(workdir, argv, message, capsys):
+  assert_user_error(*run(capsys, "--workdir", workdir, *argv), message)
