@@ -1,0 +1,258 @@
+"""Training speed: tokens/s, MFU, first-step compile time and peak memory of `Trainer.step`.
+
+    python bench/bench_train.py                       # small + base, float32 + bfloat16
+    python bench/bench_train.py --presets small --dtypes float32 --steps 10
+
+Workloads (issue 7): `small` = get_config('small', vocab_size=8000) at batch 32 x 64;
+`base` = get_config('base', vocab_size=32000) at batch 16 x 64 (source and target length
+64). Shared embeddings and tied output head, dropout 0.1, label smoothing 0.1, Adam
+(`seq2seq.train_lib.Trainer`, one device, pack=False). Batches are random tokens with a
+random length per row in [47, 64] (EOS last, then padding id 0): ~13% padding.
+
+Modes: `float32` and `bfloat16` (model dtype="bfloat16": matmul inputs bf16, f32
+accumulation, f32 params and optimizer state).
+
+Every (preset, dtype) runs in a fresh subprocess, which
+  1. builds the Trainer and the state, times the first `step` call (compile_s = first call
+     minus the median warm step: tracing + XLA compilation),
+  2. runs `--warmup` more steps, then times `--steps` steps (median; tokens/s = non-pad
+     target tokens per step / median step time),
+  3. reads its peak resident memory (VmHWM of /proc/self/status) before anything else,
+  4. measures the matmul peak of its dtype: a jitted 2048x2048 @ 2048x2048 dot, f32 x f32
+     -> f32, or bf16 x bf16 -> f32 (preferred_element_type=float32), best of several calls
+     after warm-up, in the same process right after the train steps.
+
+MFU = model FLOP/s / matmul peak of the same dtype. Model FLOPs are counted analytically
+over the padded shapes (what the step computes), matmuls only:
+
+    fwd = B * [ N_e * S * (8 d^2 + 4 d d_ff + 4 S d)                      encoder
+              + N_d * T * (8 d^2 + 4 d^2 + 4 d d_ff + 4 T d + 4 S d)      decoder
+              + N_d * S * 4 d^2                                       cross-attn K, V
+              + T * 2 d V ]                                             output head
+    train FLOPs per step = 3 * fwd   (backward = 2 x forward)
+
+(8 d^2 = Q, K, V, O projections; 4 d d_ff = the two FFN matmuls; 4 L d = attention scores
+Q K^T and probs @ V over all L keys, no causal discount; 2 d V = the tied output head.)
+Embedding gathers, LayerNorm, softmax, loss and Adam are not counted.
+
+Prints a table and writes JSON to bench/results/train.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+WORKLOADS = {"small": dict(vocab_size=8000, batch=32, length=64),
+             "base": dict(vocab_size=32000, batch=16, length=64)}
+# Targets for later optimisation (issue 7), train tokens/s on the reference CPU.
+TARGETS = {("small", "float32"): 2800, ("small", "bfloat16"): 5000,
+           ("base", "float32"): 480, ("base", "bfloat16"): 1000}
+TARGET_BASE_COMPILE_S = 30.0
+PAD, BOS, EOS = 0, 1, 2
+MIN_LEN = 47
+PEAK_N = 2048
+
+FLOP_FORMULA = ("3 * B * [N_e*S*(8d^2 + 4d*d_ff + 4Sd) + N_d*T*(12d^2 + 4d*d_ff + 4Td + 4Sd)"
+                " + N_d*S*4d^2 + T*2dV]")
+
+
+def train_flops(cfg, batch: int, src_len: int, tgt_len: int) -> float:
+  """Matmul FLOPs of one train step (forward + backward = 3 x forward), padded shapes."""
+  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  s, t = src_len, tgt_len
+  enc = cfg.num_encoder_layers * s * (8 * d * d + 4 * d * f + 4 * s * d)
+  dec = cfg.num_decoder_layers * t * (12 * d * d + 4 * d * f + 4 * t * d + 4 * s * d)
+  cross_kv = cfg.num_decoder_layers * s * 4 * d * d
+  head = t * 2 * d * v
+  return 3.0 * batch * (enc + dec + cross_kv + head)
+
+
+def random_batch(rng, batch: int, length: int, vocab: int):
+  import numpy as np
+  out = {}
+  for key in ("src", "tgt"):
+    lens = rng.integers(MIN_LEN, length + 1, batch)
+    x = rng.integers(3, vocab, (batch, length)).astype(np.int32)
+    pos = np.arange(length)[None, :]
+    x[pos == (lens[:, None] - 1)] = EOS
+    x[pos >= lens[:, None]] = PAD
+    out[key] = x
+  return out
+
+
+def _vm_hwm_mb() -> float:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) / 1024.0
+  return float("nan")
+
+
+def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
+  """FLOP/s of a jitted n^3 dot in `dtype` with f32 accumulation/output, best of `repeats`."""
+  import jax
+  import jax.numpy as jnp
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(k1, (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(k2, (n, n), jnp.float32).astype(dtype)
+  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  f(a, b).block_until_ready()
+  f(a, b).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    times.append(time.perf_counter() - t)
+  best = min(times)
+  return dict(n=n, dtype=dtype, best_s=best, flops_per_s=2.0 * n ** 3 / best,
+              times_s=times)
+
+
+def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
+  """One (preset, dtype) measurement; meant to run in a fresh process."""
+  import jax
+  import numpy as np
+  import seq2seq
+  from seq2seq.config import Config, TrainConfig
+  from seq2seq.train_lib import Trainer
+
+  rss_start = _vm_hwm_mb()
+  w = WORKLOADS[preset]
+  model = seq2seq.get_config(preset, vocab_size=w["vocab_size"]).replace(
+      dtype=dtype, dropout_rate=0.1, share_embeddings=True, tie_output=True)
+  cfg = Config(model=model, train=TrainConfig(batch_size=w["batch"], seq_len=w["length"],
+                                              label_smoothing=0.1))
+  trainer = Trainer(cfg, bos_id=BOS)
+  state = trainer.init(jax.random.key(0))
+  jax.block_until_ready(state)
+  rng = np.random.default_rng(0)
+  local = [random_batch(rng, w["batch"], w["length"], w["vocab_size"]) for _ in range(4)]
+  batches = [trainer.global_batch(b) for b in local]
+  tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
+  pad_frac = 1.0 - sum(tgt_tokens) / (len(local) * w["batch"] * w["length"])
+
+  def step(i):
+    nonlocal state
+    t, c = time.perf_counter(), time.process_time()
+    state, m = trainer.step(state, batches[i % len(batches)])
+    jax.block_until_ready((state, m))
+    return time.perf_counter() - t, time.process_time() - c, m
+
+  first_s, _, m = step(0)
+  for i in range(warmup):
+    step(1 + i)
+  runs = [step(1 + warmup + i) for i in range(steps)]
+  loss = float(runs[-1][2]["loss_sum"] / runs[-1][2]["tokens"])
+  step_s = statistics.median(r[0] for r in runs)
+  cpu_s = statistics.median(r[1] for r in runs)
+  idx = [(1 + warmup + i) % len(batches) for i in range(steps)]
+  tok_per_step = statistics.mean(tgt_tokens[i] for i in idx)
+  peak_rss_mb = _vm_hwm_mb()  # before the matmul-peak buffers exist
+
+  peak = matmul_peak(dtype)
+  flops = train_flops(model, w["batch"], w["length"], w["length"])
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  return dict(
+      preset=preset, dtype=dtype, batch=w["batch"], length=w["length"],
+      vocab=w["vocab_size"], params=int(n_params), pad_fraction=pad_frac,
+      target_tokens_per_step=tok_per_step, first_step_s=first_s,
+      compile_s=max(first_s - step_s, 0.0), step_s=step_s,
+      steps_s=[r[0] for r in runs], cpu_s_per_step=cpu_s,
+      tokens_per_s=tok_per_step / step_s, target_tokens_per_s=TARGETS[(preset, dtype)],
+      train_flops_per_step=flops, model_flops_per_s=flops / step_s,
+      matmul_peak_flops_per_s=peak["flops_per_s"], matmul_peak=peak,
+      mfu=flops / step_s / peak["flops_per_s"], peak_rss_mb=peak_rss_mb,
+      rss_after_import_mb=rss_start, final_loss=loss)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--presets", default="small,base")
+  ap.add_argument("--dtypes", default="float32,bfloat16")
+  ap.add_argument("--steps", type=int, default=3, help="timed steps after warm-up")
+  ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                "train.json"))
+  ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+
+  if args._child:  # preset,dtype: measure and print one JSON line
+    preset, dtype = args._child.split(",")
+    r = run_one(preset, dtype, args.steps, args.warmup)
+    print("RESULT " + json.dumps(r), flush=True)
+    return
+
+  rows = []
+  for preset in args.presets.split(","):
+    if preset not in WORKLOADS:
+      sys.exit(f"unknown preset {preset!r}; choose from {', '.join(WORKLOADS)}")
+    for dtype in args.dtypes.split(","):
+      if dtype not in ("float32", "bfloat16"):
+        sys.exit(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
+      t = time.perf_counter()
+      proc = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), "--_child", f"{preset},{dtype}",
+           "--steps", str(args.steps), "--warmup", str(args.warmup)],
+          stdout=subprocess.PIPE, text=True)
+      line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+      if proc.returncode != 0 or line is None:
+        print(f"  {preset} {dtype}: FAILED (exit {proc.returncode})", file=sys.stderr)
+        rows.append(dict(preset=preset, dtype=dtype, failed=True,
+                         returncode=proc.returncode))
+        continue
+      r = json.loads(line[len("RESULT "):])
+      r["wall_s"] = time.perf_counter() - t
+      rows.append(r)
+      print(f"  {preset:5s} {dtype:8s} {r['tokens_per_s']:7.0f} tok/s  step "
+            f"{r['step_s']:.3f}s (cpu {r['cpu_s_per_step']:.2f}s)  MFU {100 * r['mfu']:.1f}% "
+            f"of {r['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s  compile {r['compile_s']:.1f}s"
+            f"  peak RSS {r['peak_rss_mb']:.0f} MB  ({r['wall_s']:.0f}s)",
+            file=sys.stderr, flush=True)
+
+  import jax  # only for the header / metadata
+  head = (f"{'preset':6s} {'dtype':8s} {'batch':>7s} {'tok/s':>7s} {'target':>6s} "
+          f"{'step s':>7s} {'GFLOP/s':>8s} {'peak GF/s':>9s} {'MFU':>6s} {'compile s':>9s} "
+          f"{'peak RSS MB':>11s}")
+  print(f"\nTrain step: target tokens/s (non-pad), jax {jax.__version__}, "
+        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}, {args.steps} timed steps after {1 + args.warmup} warm-up"
+        f"\nMFU = model FLOP/s / {PEAK_N}^3 matmul peak of the same dtype (f32 accumulation),"
+        f" measured in the same process;\ntrain FLOPs/step = {FLOP_FORMULA}\n"
+        f"{head}\n{'-' * len(head)}")
+  for r in rows:
+    if r.get("failed"):
+      print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})")
+      continue
+    print(f"{r['preset']:6s} {r['dtype']:8s} {r['batch']:3d}x{r['length']:<3d} "
+          f"{r['tokens_per_s']:7.0f} {r['target_tokens_per_s']:6d} {r['step_s']:7.3f} "
+          f"{r['model_flops_per_s'] / 1e9:8.1f} {r['matmul_peak_flops_per_s'] / 1e9:9.1f} "
+          f"{100 * r['mfu']:5.1f}% {r['compile_s']:9.1f} {r['peak_rss_mb']:11.0f}")
+  ok = [r for r in rows if not r.get("failed")]
+  if ok:
+    print(f"padding: {100 * statistics.mean(r['pad_fraction'] for r in ok):.1f}% of target "
+          f"positions; targets: small f32 >= 2800, bf16 >= 5000; base f32 >= 480, bf16 >= "
+          f"1000 tok/s; base first-step compile <= {TARGET_BASE_COMPILE_S:.0f} s")
+
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+              jax=jax.__version__, device=jax.devices()[0].device_kind,
+              cpu_count=os.cpu_count(), machine=platform.machine(),
+              load_avg=os.getloadavg(), args={k: v for k, v in vars(args).items()
+                                               if k != "_child"},
+              flop_formula=FLOP_FORMULA,
+              targets={f"{p}/{d}": v for (p, d), v in TARGETS.items()},
+              target_base_compile_s=TARGET_BASE_COMPILE_S)
+  with open(args.out, "w") as f:
+    json.dump(dict(meta=meta, results=rows), f, indent=2)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
