@@ -188,3 +188,56 @@ def average_checkpoints(workdir, last: int = 5):
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), state.params)
     total = p if total is None else jax.tree_util.tree_map(np.add, total, p)
   return steps, jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)
+
+
+def write_averaged_workdir(workdir, output, last: int = 5) -> list[int]:
+  """A new workdir whose one checkpoint holds the mean parameters of the last `last`
+  checkpoints of `workdir` (config and vocabulary copied), ready for decode.py.
+  Refuses to write into an existing checkpoint directory; `workdir` is only read."""
+  import shutil
+  output = Path(output)
+  if (output / CKPT_DIR).exists():
+    raise UserError(f"{output} already holds checkpoints; choose a new --output")
+  steps, params = average_checkpoints(workdir, last)
+  cfg = read_config(workdir)
+  output.mkdir(parents=True, exist_ok=True)
+  shutil.copyfile(vocab_path(workdir), vocab_path(output))
+  write_config(output, cfg)
+  from seq2seq import train_lib
+  full = train_lib.init_state(cfg, jax.random.key(0))  # optimizer state: fresh (unused by decoding)
+  full = full.replace(step=np.asarray(steps[-1], np.int32), params=params)
+  ckpts = Checkpoints(output, keep=1, async_save=False)
+  ckpts.save(steps[-1], full, {"step": steps[-1], "averaged_steps": steps,
+                               "source_workdir": str(Path(workdir).absolute())})
+  ckpts.close()
+  return steps
+
+
+def main(argv=None) -> int:
+  """python -m seq2seq.checkpoint average --workdir W --output W_avg [--last 5]"""
+  import argparse
+  import sys
+  p = argparse.ArgumentParser(prog="python -m seq2seq.checkpoint",
+                              description="Average the last checkpoints of a workdir.")
+  p.add_argument("command", choices=["average"])
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--output", required=True, help="new workdir for the averaged model")
+  p.add_argument("--last", type=int, default=5, help="how many checkpoints (default 5)")
+  args = p.parse_args(argv)
+  import absl.logging  # Orbax logs through absl: keep its chatter out of the way
+  absl.logging.set_verbosity(absl.logging.ERROR)
+  try:
+    if args.last < 1:
+      raise UserError(f"--last must be >= 1, got {args.last}")
+    if not Path(args.workdir).is_dir():
+      raise UserError(f"workdir {args.workdir} does not exist")
+    steps = write_averaged_workdir(args.workdir, args.output, args.last)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"averaged steps {', '.join(map(str, steps))} into {args.output}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

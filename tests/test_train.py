@@ -185,6 +185,22 @@ def test_average_checkpoints(trained):
     np.testing.assert_allclose(m, (x.astype(np.float64) + y) / 2, rtol=1e-6, atol=1e-7)
 
 
+def test_averaged_workdir_decodes_with_mean_parameters(trained, tmp_path):
+  workdir, _ = trained
+  out = tmp_path / "avg"
+  assert ckpt_lib.main(["average", "--workdir", str(workdir), "--output", str(out),
+                        "--last", "3"]) == 0
+  leaves = [jax.tree_util.tree_leaves(params_of(workdir, s)) for s in (10, 20, 30)]
+  for got, *xs in zip(jax.tree_util.tree_leaves(params_of(out)), *leaves):
+    np.testing.assert_allclose(got, np.mean(np.stack(xs).astype(np.float64), 0), rtol=1e-6,
+                               atol=1e-7)
+  assert (out / "vocab.model").read_bytes() == (workdir / "vocab.model").read_bytes()
+  # an existing output is refused, the source workdir untouched
+  before = tree_hash(workdir)
+  assert ckpt_lib.main(["average", "--workdir", str(workdir), "--output", str(out)]) == 2
+  assert tree_hash(workdir) == before
+
+
 def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, tmp_path):
   _, data_dir = trained
   workdir = tmp_path / "nan"
