@@ -108,6 +108,13 @@ def abstract_state(cfg: Config):
   return jax.eval_shape(lambda: train_lib.init_state(cfg, jax.random.key(0)))
 
 
+def local_abstract_state(cfg: Config):
+  """The TrainState of `cfg` as restore targets on this host's first device."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state(cfg))
+
+
 def _check_param_shapes(workdir, ckpts: Checkpoints, step: int | None, params) -> None:
   """UserError if the stored parameters of `step` (default: the newest) differ in names or
   shapes from `params` (those config.json describes), e.g. after config.json was edited.
@@ -149,11 +156,7 @@ def load_workdir(workdir, step: int | None = None):
   ckpts = Checkpoints(workdir, read_only=True)
   if not ckpts.steps():
     raise UserError(f"{workdir} holds no checkpoint")
-  device = jax.local_devices()[0]
-  target = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                     sharding=jax.sharding.SingleDeviceSharding(device)),
-      abstract_state(cfg))
+  target = local_abstract_state(cfg)
   _check_param_shapes(workdir, ckpts, step, target.params)
   try:
     restored = ckpts.restore(target, step)
@@ -177,11 +180,7 @@ def average_checkpoints(workdir, last: int = 5):
   steps = ckpts.steps()[-last:]
   if not steps:
     raise UserError(f"{workdir} holds no checkpoint")
-  device = jax.local_devices()[0]
-  target = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                     sharding=jax.sharding.SingleDeviceSharding(device)),
-      abstract_state(cfg))
+  target = local_abstract_state(cfg)
   total = None
   for s in steps:
     state, _ = ckpts.restore(target, s)
