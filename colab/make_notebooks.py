@@ -277,7 +277,8 @@ QUICKSTART = header(
     moments) every `checkpoint_every` steps, keeping the last few. Below we restore the
     newest one, save it into a second workdir with the same `Checkpoints` wrapper (with the
     config and the vocabulary, that is all a workdir needs), and restore from there: the
-    parameters and translations are identical.
+    parameters and translations are identical. (`python -m seq2seq.checkpoint average`
+    writes such a workdir too, holding the mean of the last checkpoints, as the paper did.)
     """),
     code('''
     import shutil
@@ -285,7 +286,7 @@ QUICKSTART = header(
 
     ckpts = ckpt_lib.Checkpoints(WORKDIR, read_only=True)
     print("checkpoints in", ckpts.directory, "at steps", ckpts.steps())
-    state, meta = ckpts.restore(ckpt_lib.abstract_state(cfg))  # the newest readable one
+    state, meta = ckpts.restore(ckpt_lib.local_abstract_state(cfg))  # the newest readable one
     print("restored step", int(state.step), "meta", meta)
 
     copy_dir = ROOT / "quickstart_copy"
