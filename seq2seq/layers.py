@@ -2,10 +2,13 @@
 
 Mixed precision: parameters live in `param_dtype`; matmul inputs are cast to `dtype` and
 accumulate in float32 (`preferred_element_type`), so the residual stream, LayerNorm and
-softmax stay float32. With dtype=float32 this is plain f32 everywhere.
+softmax stay float32. `matmul` gives the backward pass the same treatment (the incoming
+gradient is cast to `dtype` too), so with dtype=bfloat16 all three matmuls of a layer run
+on bf16 inputs. With dtype=float32 this is plain f32 everywhere.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -37,6 +40,63 @@ def add_positions(x_BxLxD: jax.Array, max_len: int, positions_BxL: jax.Array | N
   return x_BxLxD + jnp.asarray(sinusoidal_positions(max_len, d))[positions_BxL]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x_MxK: jax.Array, w_KxN: jax.Array, dtype: str = "float32") -> jax.Array:
+  """x·W with `dtype` inputs and float32 accumulation and output, forward and backward."""
+  return jnp.dot(x_MxK.astype(dtype), w_KxN.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _matmul_fwd(x_MxK, w_KxN, dtype):
+  x_c, w_c = x_MxK.astype(dtype), w_KxN.astype(dtype)
+  y = jnp.dot(x_c, w_c, preferred_element_type=jnp.float32)
+  # Empty arrays carry the input dtypes (dtypes themselves can't be residuals).
+  return y, (x_c, w_c, jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype))
+
+
+def _matmul_bwd(dtype, res, g_MxN):
+  x_c, w_c, x_like, w_like = res
+  g_c = g_MxN.astype(dtype)
+  dx = jnp.dot(g_c, w_c.T, preferred_element_type=jnp.float32).astype(x_like.dtype)
+  dw = jnp.dot(x_c.T, g_c, preferred_element_type=jnp.float32).astype(w_like.dtype)
+  return dx, dw
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dropout_keep_mask(rng: jax.Array, shape: Sequence[int], rate: float) -> jax.Array:
+  """Boolean mask, True with probability 1 - rate, from a counter-based hash.
+
+  One threefry draw seeds the call; each element's bits are murmur3's fmix32 of
+  (its flat index · a + b). That is a few integer ops per element instead of threefry's
+  ~100, the mask is the same however the array is sharded, and it is plenty random for
+  dropout (tests check rate, independence between neighbours and between keys).
+  """
+  a, b = jax.random.bits(rng, (2,), jnp.uint32)
+  n = int(np.prod(shape))
+  h = jax.lax.iota(jnp.uint32, n).reshape(shape) * (a | jnp.uint32(1)) + b
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  h = h ^ (h >> 16)
+  return h >= jnp.uint32(min(int(round(rate * 2.0 ** 32)), 2 ** 32 - 1))
+
+
+class Dropout(nn.Module):
+  """Inverted dropout: zero each element with probability `rate`, scale the rest by
+  1/(1 - rate). Identity when not training."""
+  rate: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+    if deterministic or self.rate == 0.0:
+      return x
+    keep = dropout_keep_mask(self.make_rng("dropout"), x.shape, self.rate)
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype),
+                     jnp.zeros((), x.dtype))
+
+
 class Dense(nn.Module):
   """y = x·W (+ b) contracting the last `contract` axes of x into `features`."""
   features: int | Sequence[int]
@@ -53,8 +113,9 @@ class Dense(nn.Module):
     init = lambda key, shape, dtype: nn.initializers.xavier_uniform()(
         key, (fan_in, fan_out), dtype).reshape(shape)
     kernel = self.param("kernel", init, in_shape + feats, self.param_dtype)
-    y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract,
-                      preferred_element_type=jnp.float32)
+    lead = x.shape[:x.ndim - self.contract]
+    y = matmul(x.reshape((-1, fan_in)), kernel.reshape((fan_in, fan_out)), self.dtype)
+    y = y.reshape(lead + feats)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, feats, self.param_dtype)
     return y
@@ -122,7 +183,7 @@ class FeedForward(nn.Module):
     cfg = self.config
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     h_BxLxF = nn.relu(Dense(cfg.d_ff, name="wi", **kw)(x_BxLxD))
-    h_BxLxF = nn.Dropout(cfg.dropout_rate)(h_BxLxF, deterministic=not train)
+    h_BxLxF = Dropout(cfg.dropout_rate)(h_BxLxF, deterministic=not train)
     return Dense(cfg.d_model, name="wo", **kw)(h_BxLxF)
 
 
@@ -137,7 +198,7 @@ class AddNorm(nn.Module):
   def setup(self):
     self.norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32,
                              param_dtype=self.config.param_dtype)
-    self.dropout = nn.Dropout(self.config.dropout_rate)
+    self.dropout = Dropout(self.config.dropout_rate)
 
   def __call__(self, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array],
                train: bool = False) -> jax.Array:

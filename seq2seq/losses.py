@@ -1,6 +1,8 @@
 """Teacher forcing and the training objective."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -52,3 +54,69 @@ def accuracy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
     weights_BxT = (targets_BxT != 0).astype(jnp.float32)
   correct = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT).astype(jnp.float32)
   return jnp.sum(correct * weights_BxT), jnp.sum(weights_BxT)
+
+
+# --- the fast path: output head + loss + accuracy in one custom-gradient op ---------------
+
+def _head_logits(y_NxD, w, b_V, dtype, w_is_VxD):
+  spec = "nd,vd->nv" if w_is_VxD else "nd,dv->nv"
+  logits_NxV = jnp.einsum(spec, y_NxD.astype(dtype), w.astype(dtype),
+                          preferred_element_type=jnp.float32)
+  return logits_NxV if b_V is None else logits_NxV + b_V.astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def head_cross_entropy(y_NxD, w, b_V, targets_N, weights_N, label_smoothing: float = 0.0,
+                       dtype: str = "float32", w_is_VxD: bool = True):
+  """Output projection + label-smoothed cross-entropy + accuracy, fused.
+
+  Same values as `cross_entropy(logits, ...)` and `accuracy(...)` on
+  logits = y·Wᵀ + b (W [V, D], the tied embedding) or y·W + b (W [D, V]), returned as
+  (loss_sum, correct_sum, weight_sum). Its hand-written gradient is (softmax - q)·weight,
+  fed straight into the two bf16/f32 matmuls of the head: no [N, V] log-softmax,
+  one-hot, broadcast or transposed copy is materialised for autodiff, and the argmax is
+  read off the max the softmax needs anyway (a tie with the target counts as correct).
+  """
+  return _head_fwd(y_NxD, w, b_V, targets_N, weights_N, label_smoothing, dtype, w_is_VxD)[0]
+
+
+def _head_fwd(y_NxD, w, b_V, targets_N, weights_N, label_smoothing, dtype, w_is_VxD):
+  logits_NxV = _head_logits(y_NxD, w, b_V, dtype, w_is_VxD)
+  vocab = logits_NxV.shape[-1]
+  m_N = jnp.max(logits_NxV, axis=-1)
+  lse_N = m_N + jnp.log(jnp.sum(jnp.exp(logits_NxV - m_N[:, None]), axis=-1))
+  true_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
+  true_logp_N = true_N - lse_N
+  if label_smoothing > 0:
+    conf, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+    sum_logp_N = jnp.sum(logits_NxV, axis=-1) - vocab * lse_N
+    xent_N = -(conf * true_logp_N + low * (sum_logp_N - true_logp_N))
+    xent_N = xent_N + (conf * jnp.log(conf) + (vocab - 1) * low * jnp.log(low + 1e-20))
+  else:
+    xent_N = -true_logp_N
+  weights_N = weights_N.astype(jnp.float32)
+  out = (jnp.sum(xent_N * weights_N), jnp.sum((true_N >= m_N) * weights_N), jnp.sum(weights_N))
+  return out, (y_NxD, w, b_V, targets_N, weights_N, logits_NxV, lse_N)
+
+
+def _head_bwd(label_smoothing, dtype, w_is_VxD, res, g):
+  y_NxD, w, b_V, targets_N, weights_N, logits_NxV, lse_N = res
+  vocab = logits_NxV.shape[-1]
+  conf, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+  # d loss / d logits = (softmax - q) · weight, q = smoothed one-hot target.
+  p_NxV = jnp.exp(logits_NxV - lse_N[:, None])
+  onehot_NxV = jnp.arange(vocab)[None, :] == targets_N[:, None]
+  q_NxV = jnp.where(onehot_NxV, conf, low) if label_smoothing > 0 else onehot_NxV
+  d_NxV = ((p_NxV - q_NxV) * (g[0] * weights_N)[:, None]).astype(dtype)
+  w_c, y_c = w.astype(dtype), y_NxD.astype(dtype)
+  if w_is_VxD:
+    dy = jnp.einsum("nv,vd->nd", d_NxV, w_c, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("nd,nv->dv", y_c, d_NxV, preferred_element_type=jnp.float32).T
+  else:
+    dy = jnp.einsum("nv,dv->nd", d_NxV, w_c, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("nd,nv->dv", y_c, d_NxV, preferred_element_type=jnp.float32)
+  db = None if b_V is None else jnp.sum(d_NxV.astype(jnp.float32), axis=0).astype(b_V.dtype)
+  return dy.astype(y_NxD.dtype), dw.astype(w.dtype), db, None, None
+
+
+head_cross_entropy.defvjp(_head_fwd, _head_bwd)

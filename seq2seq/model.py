@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from seq2seq import attention as attn
 from seq2seq.config import TransformerConfig
-from seq2seq.layers import AddNorm, DecoderLayer, Dense, Embed, EncoderLayer, add_positions
+from seq2seq.layers import (AddNorm, DecoderLayer, Dense, Dropout, Embed, EncoderLayer,
+                            add_positions)
 
 
 def _valid(tokens_BxL, segments_BxL):
@@ -45,7 +46,7 @@ class Encoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.dropout = nn.Dropout(cfg.dropout_rate)
+    self.dropout = Dropout(cfg.dropout_rate)
     self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
     if cfg.pre_ln:
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
@@ -63,7 +64,7 @@ class Decoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.dropout = nn.Dropout(cfg.dropout_rate)
+    self.dropout = Dropout(cfg.dropout_rate)
     self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
     if cfg.pre_ln:
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
@@ -119,20 +120,22 @@ class Transformer(nn.Module):
     return self.encoder(x_BxSxD, encoder_mask(src_BxS, src_segments), src_positions, train)
 
   def decode(self, encoded_BxSxD, src_BxS, tgt_in_BxT, src_segments=None, tgt_segments=None,
-             tgt_positions=None, train: bool = False):
-    """Teacher-forced decoder: logits [B, T, V] for every target position at once."""
+             tgt_positions=None, train: bool = False, return_features: bool = False):
+    """Teacher-forced decoder: logits [B, T, V] for every target position at once (or,
+    with return_features, the decoder output [B, T, D] the head would project)."""
     y_BxTxD = self._tgt_embed()(tgt_in_BxT)
     y_BxTxD, _ = self.decoder(
         y_BxTxD, self.decoder.cross_kv(encoded_BxSxD),
         decoder_self_mask(tgt_in_BxT, tgt_segments),
         cross_mask(tgt_in_BxT, src_BxS, tgt_segments, src_segments), tgt_positions, train)
-    return self.output_head(y_BxTxD)
+    return y_BxTxD if return_features else self.output_head(y_BxTxD)
 
   def __call__(self, src_BxS, tgt_in_BxT, src_segments=None, tgt_segments=None,
-               src_positions=None, tgt_positions=None, train: bool = False):
+               src_positions=None, tgt_positions=None, train: bool = False,
+               return_features: bool = False):
     encoded_BxSxD = self.encode(src_BxS, src_segments, src_positions, train)
     return self.decode(encoded_BxSxD, src_BxS, tgt_in_BxT, src_segments, tgt_segments,
-                       tgt_positions, train)
+                       tgt_positions, train, return_features)
 
   # --- incremental decoding (see seq2seq.decoding) --------------------------------------
 
@@ -154,6 +157,15 @@ class Transformer(nn.Module):
     y_BxTxD, cache = self.decoder(y_BxTxD, cross_kv, self_mask, x_mask, None, False,
                                   cache, index)
     return self.output_head(y_BxTxD), cache
+
+
+def head_weights(config: TransformerConfig, params) -> tuple:
+  """(W, b, w_is_VxD) of the output head: the tied embedding [V, D] with no bias, or the
+  untied projection's kernel [D, V] and bias. logits = features·Wᵀ (+ b) / features·W + b."""
+  if config.tie_output:
+    emb = params["embed" if config.share_embeddings else "tgt_embed"]["embedding"]
+    return emb, None, True
+  return params["logits_dense"]["kernel"], params["logits_dense"]["bias"], False
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int):

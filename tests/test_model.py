@@ -219,3 +219,49 @@ def test_unknown_preset():
   with pytest.raises(ConfigError, match="unknown preset"):
     seq2seq.get_config("huge")
   assert dataclasses.is_dataclass(seq2seq.get_config("base"))
+
+
+def test_mixed_precision_matmul_gradients_use_compute_dtype():
+  """layers.matmul: f32 == plain autodiff; bf16 == the same math on bf16-rounded inputs
+  and bf16-rounded incoming gradient, accumulated in f32."""
+  from seq2seq.layers import matmul
+  ks = jax.random.split(jax.random.key(0), 3)
+  x, w, g = (jax.random.normal(k, s) for k, s in zip(ks, [(33, 20), (20, 17), (33, 17)]))
+  y, vjp = jax.vjp(lambda x, w: matmul(x, w, "float32"), x, w)
+  y_ref, vjp_ref = jax.vjp(lambda x, w: x @ w, x, w)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for a, b in zip(vjp(g), vjp_ref(g)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  r = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  yb, vjpb = jax.vjp(lambda x, w: matmul(x, w, "bfloat16"), x, w)
+  dx, dw = vjpb(g)
+  assert yb.dtype == dx.dtype == dw.dtype == jnp.float32
+  np.testing.assert_allclose(yb, r(x) @ r(w), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, r(g) @ r(w).T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, r(x).T @ r(g), rtol=1e-5, atol=1e-5)
+  # ... and that differs from the f32 gradient, so the test can tell the modes apart.
+  assert float(jnp.abs(dx - vjp(g)[0]).max()) > 1e-3
+
+
+def test_dropout_mask_rate_independence_and_keys():
+  from seq2seq.layers import Dropout, dropout_keep_mask
+  shape = (64, 128, 32)
+  n = np.prod(shape)
+  for rate in (0.1, 0.5):
+    m = np.asarray(dropout_keep_mask(jax.random.key(0), shape, rate))
+    sigma = np.sqrt(rate * (1 - rate) / n)
+    assert abs(m.mean() - (1 - rate)) < 5 * sigma
+    f = m.reshape(-1).astype(np.float64)
+    # neighbours (along every axis) are independent: P(keep, keep) = p^2
+    for a, b in [(f[:-1], f[1:]), (f[:-32], f[32:]), (f[:-4096], f[4096:])]:
+      assert abs((a * b).mean() - (1 - rate) ** 2) < 6 * np.sqrt((1 - rate) ** 2 / n)
+  m0 = np.asarray(dropout_keep_mask(jax.random.key(0), shape, 0.5), np.float64)
+  m1 = np.asarray(dropout_keep_mask(jax.random.key(1), shape, 0.5), np.float64)
+  assert abs(np.corrcoef(m0.ravel(), m1.ravel())[0, 1]) < 5 / np.sqrt(n)
+  np.testing.assert_array_equal(m0, dropout_keep_mask(jax.random.key(0), shape, 0.5))
+  # inverted dropout: kept values scaled by 1/(1-rate), expectation preserved, eval = identity
+  x = jnp.ones(shape)
+  y = Dropout(0.1).apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+  np.testing.assert_allclose(np.unique(np.asarray(y)), [0.0, 1 / 0.9], rtol=1e-6)
+  assert abs(float(y.mean()) - 1.0) < 5 * np.sqrt(0.1 / 0.9 / n)
+  np.testing.assert_array_equal(Dropout(0.1).apply({}, x, deterministic=True), x)
