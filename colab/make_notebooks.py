@@ -742,7 +742,8 @@ FAST = header(
     ## 1. The cache, by hand
 
     `init_cache` allocates, for every decoder layer, keys and values of shape
-    [batch, max_len, heads, d_k]. `Transformer.decode_step` feeds one token at position
+    [batch, heads, max_len, d_k] (head-major: a step reads it without a transpose).
+    `Transformer.decode_step` feeds one token at position
     `index`, writes its keys/values into the cache there, attends over the slots ≤ index,
     and returns the logits and the new cache. The encoder runs once, and so do the
     cross-attention projections of its output (`precompute_cross_kv`).
@@ -776,7 +777,7 @@ FAST = header(
       if token == EOS:
         break
     print(f"\\n{SRC} -> {tokenizer.decode(out)}  ({len(out)} steps)")
-    written = np.asarray(jnp.abs(cache[0]["k"][0]).sum((-1, -2)) > 0)
+    written = np.asarray(jnp.abs(cache[0]["k"][0]).sum((0, -1)) > 0)         # over heads, d_k
     print("cache slots written (layer 0):", int(written.sum()), "of", L)
 
     # The same logits as the teacher-forced decoder on the finished output, all at once:

@@ -38,12 +38,21 @@ def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
   return out
 
 
-def attention_weights(q_BxQxHxD, k_BxKxHxD, mask=None) -> jax.Array:
+def _k(kv_layout: str) -> str:
+  if kv_layout not in ("BKHD", "BHKD"):
+    raise ValueError(f"kv_layout must be 'BKHD' or 'BHKD', got {kv_layout!r}")
+  return "bkhd" if kv_layout == "BKHD" else "bhkd"
+
+
+def attention_weights(q_BxQxHxD, k_BxKxHxD, mask=None, kv_layout: str = "BKHD") -> jax.Array:
   """softmax(q·kᵀ/√D) over keys, [B, H, Q, K] in float32; masked keys get weight 0 exactly
-  and a query with no allowed key gets all-zero weights (never NaN)."""
+  and a query with no allowed key gets all-zero weights (never NaN).
+
+  kv_layout="BHKD": keys (and values) are stored head-major, [B, H, K, D]: what the KV
+  cache holds, so that a decode step reads it without transposing it."""
   depth = q_BxQxHxD.shape[-1]
   q_BxQxHxD = q_BxQxHxD * jnp.asarray(depth ** -0.5, q_BxQxHxD.dtype)
-  s_BxHxQxK = jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxD, k_BxKxHxD,
+  s_BxHxQxK = jnp.einsum(f"bqhd,{_k(kv_layout)}->bhqk", q_BxQxHxD, k_BxKxHxD,
                          preferred_element_type=jnp.float32)
   if mask is not None:
     s_BxHxQxK = jnp.where(mask, s_BxHxQxK, jnp.finfo(jnp.float32).min)
@@ -54,16 +63,17 @@ def attention_weights(q_BxQxHxD, k_BxKxHxD, mask=None) -> jax.Array:
 
 
 def dot_product_attention(query, key, value, mask=None, *, dropout_rate: float = 0.0,
-                          dropout_rng: jax.Array | None = None) -> jax.Array:
+                          dropout_rng: jax.Array | None = None,
+                          kv_layout: str = "BKHD") -> jax.Array:
   """Scaled dot-product attention, softmax(QKᵀ/√d)V, per head.
 
-  query [B, Q, H, D], key/value [B, K, H, D] -> [B, Q, H, D] in query's dtype.
-  Scores and softmax are computed in float32 whatever the input dtype.
+  query [B, Q, H, D], key/value [B, K, H, D] (or [B, H, K, D] with kv_layout="BHKD")
+  -> [B, Q, H, D] in query's dtype. Scores and softmax are float32 whatever the input dtype.
   """
-  w_BxHxQxK = attention_weights(query, key, mask)
+  w_BxHxQxK = attention_weights(query, key, mask, kv_layout)
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w_BxHxQxK.shape)
     w_BxHxQxK = jnp.where(keep, w_BxHxQxK / (1.0 - dropout_rate), 0.0)
-  y_BxQxHxD = jnp.einsum("bhqk,bkhd->bqhd", w_BxHxQxK.astype(value.dtype), value,
+  y_BxQxHxD = jnp.einsum(f"bhqk,{_k(kv_layout)}->bqhd", w_BxHxQxK.astype(value.dtype), value,
                          preferred_element_type=jnp.float32)
   return y_BxQxHxD.astype(query.dtype)

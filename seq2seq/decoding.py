@@ -454,6 +454,11 @@ def _decode_jit(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_l
                 full_recompute: bool, return_logits: bool) -> DecodeResult:
   model = Transformer(cfg)
   batch = src_BxS.shape[0]
+  if cfg.dtype != "float32":
+    # Cast the matrices to the compute dtype once, not at every step of the loop: decoding
+    # a few rows at a time is bound by reading the weights.
+    params = jax.tree_util.tree_map(
+        lambda x: x.astype(cfg.dtype) if x.ndim >= 2 else x, params)
   if per_row_limit:
     src_len_B = jnp.sum(src_BxS != pad_id, axis=1).astype(jnp.int32)
     limits_B = jnp.minimum(src_len_B + EXTRA_LEN, max_len)

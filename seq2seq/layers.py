@@ -157,17 +157,20 @@ class MultiHeadAttention(nn.Module):
     self.out = Dense(cfg.d_model, contract=2, **kw)
 
   def project_kv(self, x_BxKxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values [B, K, H, Dh] in the compute dtype (what a cache stores)."""
+    """Keys and values, head-major [B, H, K, Dh], in the compute dtype (what a cache
+    stores: a decode step then reads them without a transpose)."""
     dt = self.config.dtype
-    return self.key(x_BxKxD).astype(dt), self.value(x_BxKxD).astype(dt)
+    k_BxHxKxDh = self.key(x_BxKxD).astype(dt).transpose(0, 2, 1, 3)
+    v_BxHxKxDh = self.value(x_BxKxD).astype(dt).transpose(0, 2, 1, 3)
+    return k_BxHxKxDh, v_BxHxKxDh
 
-  def attend(self, x_BxQxD, k_BxKxHxDh, v_BxKxHxDh, mask=None, train: bool = False):
+  def attend(self, x_BxQxD, k_BxHxKxDh, v_BxHxKxDh, mask=None, train: bool = False):
     cfg = self.config
     q_BxQxHxDh = self.query(x_BxQxD).astype(cfg.dtype)
     rate = cfg.attention_dropout_rate if train else 0.0
     rng = self.make_rng("dropout") if rate > 0.0 else None
-    y_BxQxHxDh = dot_product_attention(q_BxQxHxDh, k_BxKxHxDh, v_BxKxHxDh, mask,
-                                       dropout_rate=rate, dropout_rng=rng)
+    y_BxQxHxDh = dot_product_attention(q_BxQxHxDh, k_BxHxKxDh, v_BxHxKxDh, mask,
+                                       dropout_rate=rate, dropout_rng=rng, kv_layout="BHKD")
     return self.out(y_BxQxHxDh)
 
   def __call__(self, x_BxQxD, x_BxKxD, mask=None, train: bool = False):
@@ -226,7 +229,7 @@ class DecoderLayer(nn.Module):
   """Masked self-attention → Add & Norm → cross-attention → Add & Norm → FFN → Add & Norm.
 
   `cross_kv` are the encoder output's keys/values for this layer (projected once per
-  source). With `cache` ({"k", "v"}: [B, max_len, H, Dh]) the new self-attention keys and
+  source). With `cache` ({"k", "v"}: [B, H, max_len, Dh]) the new self-attention keys and
   values are written at `index` and attention reads the whole cache (decoding).
   """
   config: TransformerConfig
@@ -250,8 +253,8 @@ class DecoderLayer(nn.Module):
       nonlocal new_cache
       k, v = self.self_attn.project_kv(h_BxTxD)
       if cache is not None:
-        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, index, 0, 0))
-        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, index, 0, 0))
+        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, index, 0))
+        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, index, 0))
         new_cache = {"k": k, "v": v}
       return self.self_attn.attend(h_BxTxD, k, v, self_mask, train)
 

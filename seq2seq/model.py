@@ -149,7 +149,7 @@ class Transformer(nn.Module):
     Returns (logits [B, T, V], new cache). Queries attend to cache slots <= their position.
     """
     t = tokens_BxT.shape[1]
-    max_len = cache[0]["k"].shape[1]
+    max_len = cache[0]["k"].shape[2]
     q_pos = index + jnp.arange(t)
     self_mask = (jnp.arange(max_len)[None, :] <= q_pos[:, None])[None, None]  # [1,1,T,L]
     x_mask = src_valid_BxS[:, None, None, :]                                    # [B,1,1,S]
@@ -169,8 +169,8 @@ def head_weights(config: TransformerConfig, params) -> tuple:
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int):
-  """Empty self-attention KV cache: per decoder layer {"k", "v"} of [B, max_len, H, Dh]."""
-  shape = (batch, max_len, config.num_heads, config.head_dim)
+  """Empty self-attention KV cache: per decoder layer {"k", "v"} of [B, H, max_len, Dh]."""
+  shape = (batch, config.num_heads, max_len, config.head_dim)
   return tuple({"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
                for _ in range(config.num_decoder_layers))
 

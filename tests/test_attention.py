@@ -100,3 +100,15 @@ def test_attention_dropout_is_inverted_and_keyed():
   c = attn.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1))
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c)
+
+
+def test_head_major_kv_layout_is_the_same_attention():
+  rng = np.random.default_rng(5)
+  q = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
+  k, v = (rng.normal(size=(2, 6, 2, 4)).astype(np.float32) for _ in range(2))
+  mask = rng.random((2, 1, 3, 6)) > 0.3
+  hm = lambda x: jnp.transpose(x, (0, 2, 1, 3))
+  np.testing.assert_allclose(attn.dot_product_attention(q, hm(k), hm(v), mask, kv_layout="BHKD"),
+                             attn.dot_product_attention(q, k, v, mask), atol=1e-6)
+  with pytest.raises(ValueError, match="kv_layout"):
+    attn.attention_weights(q, k, mask, kv_layout="BKDH")

@@ -610,3 +610,23 @@ def test_sampling_follows_the_filtered_distribution():
   want = _np_filter(PROBS, 2.0, 4, 0.8)
   assert (want > 0).sum() == 3                  # both filters bite
   np.testing.assert_allclose(got, want, atol=0.015)
+
+
+def test_bf16_decode_casts_weights_once_and_matches_teacher_forcing(params, ref):
+  """dtype=bfloat16: the loop runs on bf16 copies of the matrices (made once per call).
+  Greedy tokens == argmax of the teacher-forced bf16 model with those same bf16-rounded
+  weights on the decoded prefix; and bf16 differs from f32 (so the cast really happened)."""
+  cfg = CFG.replace(dtype="bfloat16")
+  out = dec.decode(cfg, params, ref["src"], dec.Greedy(), bos_id=BOS, eos_id=ref["eos"],
+                   max_len=8)
+  rounded = jax.tree_util.tree_map(
+      lambda x: x.astype(jnp.bfloat16).astype(jnp.float32) if x.ndim >= 2 else x, params)
+  tgt_in = np.concatenate([np.full((3, 1), BOS), np.asarray(out.tokens[:, 0, :-1])], 1)
+  logits = np.array(Transformer(cfg).apply(rounded, ref["src"], tgt_in.astype(np.int32)))
+  logits[..., PAD] = -np.inf
+  for b in range(3):
+    n = int(out.lengths[b, 0])
+    assert n >= 2
+    np.testing.assert_array_equal(out.tokens[b, 0, :n], logits[b, :n].argmax(-1))
+  f32 = Transformer(CFG).apply(params, ref["src"], tgt_in.astype(np.int32))
+  assert float(jnp.abs(f32 - logits.clip(-1e9)).max()) > 1e-4
