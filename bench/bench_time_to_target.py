@@ -1,0 +1,69 @@
+"""Time-to-target of the default job: how long `python train.py` takes to reach 99% exact
+match on held-out data, from a cold start.
+
+    python bench/bench_time_to_target.py            # ~2-3 min on 2 CPU cores
+
+Runs `python train.py --workdir <tmp>` (the embedded default, 300 steps) in a subprocess
+with a fresh TFDS data dir (TFDS_DATA_DIR=<tmp>/tfds, so dataset generation, vocabulary and
+tokenization are included), and reads `<workdir>/metrics.jsonl`. Reports
+  * time to target: seconds from launch to the first validation evaluation (every
+    eval_every=100 steps, 200 examples decoded greedily) with exact match >= 99%,
+  * total wall time (full validation + test decoding included) and the final test figures.
+Target (issue 7): <= 120 s. Writes bench/results/time_to_target.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--target", type=float, default=0.99)
+  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "time_to_target.json"))
+  args, extra = ap.parse_known_args(argv)
+  with tempfile.TemporaryDirectory() as tmp:
+    workdir = os.path.join(tmp, "run")
+    env = dict(os.environ, TFDS_DATA_DIR=os.path.join(tmp, "tfds"))
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--workdir", workdir,
+           "--no_progress", *extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    total = time.time() - t0
+    if proc.returncode != 0:
+      sys.exit(f"error: train.py exited with {proc.returncode}:\n{proc.stdout[-2000:]}")
+    rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  evals = [r for r in rows if r.get("split") == "validation" and "exact_match" in r]
+  hit = next((r for r in evals if r["exact_match"] >= args.target), None)
+  test = next((r for r in reversed(rows) if r.get("split") == "test"), {})
+  first_train = next((r for r in rows if r.get("split") == "train"), None)
+  res = dict(command=" ".join(["python", "train.py", *extra]), total_s=total,
+             time_to_target_s=None if hit is None else hit["time"] - t0,
+             target_step=None if hit is None else hit["step"], target=args.target,
+             validation=[{k: r[k] for k in ("step", "exact_match", "bleu")} | {
+                 "t_s": r["time"] - t0} for r in evals],
+             first_log_s=None if first_train is None else first_train["time"] - t0,
+             test={k: test.get(k) for k in ("exact_match", "bleu", "chrf", "examples")},
+             load_avg=os.getloadavg())
+  print(f"{res['command']}: time to {100 * args.target:.0f}% validation exact match: "
+        + (f"{res['time_to_target_s']:.0f} s (step {res['target_step']})" if hit else "not reached")
+        + f"; total {total:.0f} s; test exact match {test.get('exact_match')} on "
+        f"{test.get('examples')} examples; target <= 120 s")
+  for r in res["validation"]:
+    print(f"  step {r['step']:4d} at {r['t_s']:5.0f} s: exact match {r['exact_match']:.3f}")
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(res, f, indent=2)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
