@@ -120,7 +120,6 @@ SRC_LEN, NEW_TOKENS = 32, 64
 DROPOUT, LABEL_SMOOTHING = 0.1, 0.1
 MAX_LEN = 256
 PAD, BOS, EOS = 0, 1, 2
-MIN_LEN = 47
 PEAK_N = 2048
 WARMUP_TRAIN, WARMUP_DECODE = 2, 1
 MODES = ("train", "decode", "decode_cached")
@@ -128,42 +127,17 @@ STRATEGIES = {"greedy": 1, "beam4": 4}  # decode_cached: name -> num_beams
 BEAM_LENGTH_PENALTY = 0.6
 MARIAN_MAX_POSITIONS = 256  # >= 1 + 64 decoder positions and 32 source positions
 
-FLOP_FORMULA = ("3 * B * [N_e*S*(8d^2 + 4d*d_ff + 4Sd) + N_d*T*(12d^2 + 4d*d_ff + 4Td + 4Sd)"
-                " + N_d*S*4d^2 + T*2dV]")
+# The batches, the FLOP count and the memory reading are bench_train.py's own (stdlib-only
+# at import time, so this script still runs from a venv without jax or seq2seq).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import FLOP_FORMULA, _vm_hwm_mb, random_batch  # noqa: E402
+from bench_train import train_flops as _train_flops  # noqa: E402
 
 
 def train_flops(cfg: dict, batch: int, src_len: int, tgt_len: int) -> float:
-  """Matmul FLOPs of one train step (forward + backward = 3 x forward), padded shapes.
-  Same count as bench_train.train_flops."""
-  d, f, v = cfg["d_model"], cfg["d_ff"], cfg["vocab_size"]
-  s, t = src_len, tgt_len
-  enc = cfg["num_encoder_layers"] * s * (8 * d * d + 4 * d * f + 4 * s * d)
-  dec = cfg["num_decoder_layers"] * t * (12 * d * d + 4 * d * f + 4 * t * d + 4 * s * d)
-  cross_kv = cfg["num_decoder_layers"] * s * 4 * d * d
-  head = t * 2 * d * v
-  return 3.0 * batch * (enc + dec + cross_kv + head)
-
-
-def random_batch(rng, batch: int, length: int, vocab: int):
-  """Copied from bench_train.random_batch."""
-  import numpy as np
-  out = {}
-  for key in ("src", "tgt"):
-    lens = rng.integers(MIN_LEN, length + 1, batch)
-    x = rng.integers(3, vocab, (batch, length)).astype(np.int32)
-    pos = np.arange(length)[None, :]
-    x[pos == (lens[:, None] - 1)] = EOS
-    x[pos >= lens[:, None]] = PAD
-    out[key] = x
-  return out
-
-
-def _vm_hwm_mb() -> float:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) / 1024.0
-  return float("nan")
+  """bench_train.train_flops for a dict of model sizes."""
+  import types
+  return _train_flops(types.SimpleNamespace(**cfg), batch, src_len, tgt_len)
 
 
 def _build_model(preset: str):
