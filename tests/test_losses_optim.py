@@ -180,3 +180,26 @@ def test_fused_head_loss_equals_logits_then_cross_entropy(eps, tied):
   for a, b_ in zip(g2, g1):
     np.testing.assert_allclose(a, b_, rtol=1e-5, atol=2e-6)
     assert float(jnp.abs(b_).sum()) > 0
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(tie_output=False),
+                                     dict(share_embeddings=False, tie_output=True)])
+def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
+  """The train/eval step's fused loss (`model.head_weights` + `head_cross_entropy`) equals
+  logits from `model.apply` followed by `cross_entropy` / `accuracy`, for the tied head, an
+  untied head with bias, and a tied head with unshared embeddings."""
+  from seq2seq import train_lib
+  from seq2seq.config import Config, TrainConfig
+  from seq2seq.model import Transformer
+  mc = seq2seq.get_config("tiny", vocab_size=29).replace(dropout_rate=0.0, **variant)
+  cfg = Config(model=mc, train=TrainConfig(label_smoothing=0.1))
+  rng = np.random.default_rng(0)
+  src = jnp.asarray(rng.integers(3, 29, (3, 7)), jnp.int32).at[0, 5:].set(0)
+  tgt = jnp.asarray(rng.integers(3, 29, (3, 6)), jnp.int32).at[1, 4:].set(0)
+  params = Transformer(mc).init(jax.random.key(0), src, tgt)["params"]
+  m = train_lib.eval_step(params, {"src": src, "tgt": tgt}, cfg=cfg, bos_id=1)
+  logits = Transformer(mc).apply({"params": params}, src, shift_right(tgt, 1))
+  s, n = cross_entropy(logits, tgt, 0.1)
+  np.testing.assert_allclose(m["loss_sum"], s, rtol=1e-5)
+  assert float(m["tokens"]) == float(n) == 16
+  assert float(m["correct"]) == float(accuracy(logits, tgt)[0])
