@@ -134,6 +134,13 @@ from bench_train import FLOP_FORMULA, _vm_hwm_mb, random_batch  # noqa: E402
 from bench_train import train_flops as _train_flops  # noqa: E402
 
 
+def _print_failed(r: dict) -> bool:
+  """Print a table row for a run that failed; True if it did."""
+  if r.get("failed"):
+    print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})")
+  return bool(r.get("failed"))
+
+
 def train_flops(cfg: dict, batch: int, src_len: int, tgt_len: int) -> float:
   """bench_train.train_flops for a dict of model sizes."""
   import types
@@ -506,8 +513,7 @@ def main(argv=None):
           f"torch.autocast('cpu', bfloat16)\nMFU = model FLOP/s / {PEAK_N}^3 matmul peak of the "
           f"same dtype, same process; FLOPs/step = {FLOP_FORMULA}\n{head}\n{'-' * len(head)}")
     for r in train:
-      if r.get("failed"):
-        print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})")
+      if _print_failed(r):
         continue
       print(f"{r['preset']:6s} {r['dtype']:8s} {r['batch']:3d}x{r['length']:<3d} "
             f"{r['tokens_per_s']:7.0f} {r['step_s']:7.3f} {r['model_flops_per_s'] / 1e9:8.1f} "
@@ -522,8 +528,7 @@ def main(argv=None):
           f"tokens per row, inference_mode; tokens/s = batch * {NEW_TOKENS} / call time, median "
           f"of {args.steps} calls after {WARMUP_DECODE} warm-up\n{head}\n{'-' * len(head)}")
     for r in dec:
-      if r.get("failed"):
-        print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})")
+      if _print_failed(r):
         continue
       print(f"{r['preset']:6s} {r['dtype']:8s} {r['batch']:5d} {r['tokens_per_s']:7.0f} "
             f"{r['run_s']:7.3f} {r['cpu_s']:7.2f} {r['matmul_peak_flops_per_s'] / 1e9:9.1f} "

@@ -32,19 +32,21 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
   vocab = logits_BxTxV.shape[-1]
   if weights_BxT is None:
     weights_BxT = (targets_BxT != 0).astype(jnp.float32)
-  conf = 1.0 - label_smoothing
-  low = label_smoothing / (vocab - 1)
   logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
   true_logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-  if label_smoothing > 0:
-    # Σ_v q_v·log p_v with q = low everywhere except conf at the target.
-    sum_logp_BxT = jnp.sum(logp_BxTxV, axis=-1)
-    xent_BxT = -(conf * true_logp_BxT + low * (sum_logp_BxT - true_logp_BxT))
-    norm = -(conf * jnp.log(conf) + (vocab - 1) * low * jnp.log(low + 1e-20))
-    xent_BxT = xent_BxT - norm
-  else:
-    xent_BxT = -true_logp_BxT
+  sum_logp_BxT = jnp.sum(logp_BxTxV, axis=-1) if label_smoothing > 0 else None
+  xent_BxT = _smoothed_xent(true_logp_BxT, sum_logp_BxT, vocab, label_smoothing)
   return jnp.sum(xent_BxT * weights_BxT), jnp.sum(weights_BxT)
+
+
+def _smoothed_xent(true_logp, sum_logp, vocab: int, label_smoothing: float):
+  """-Σ_v q_v·log p_v minus the entropy of q, from log p of the target and Σ_v log p_v;
+  q = 1-ε at the target and ε/(V-1) elsewhere."""
+  if label_smoothing <= 0:
+    return -true_logp
+  conf, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+  xent = -(conf * true_logp + low * (sum_logp - true_logp))
+  return xent + (conf * jnp.log(conf) + (vocab - 1) * low * jnp.log(low + 1e-20))
 
 
 def accuracy(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
@@ -86,14 +88,8 @@ def _head_fwd(y_NxD, w, b_V, targets_N, weights_N, label_smoothing, dtype, w_is_
   m_N = jnp.max(logits_NxV, axis=-1)
   lse_N = m_N + jnp.log(jnp.sum(jnp.exp(logits_NxV - m_N[:, None]), axis=-1))
   true_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
-  true_logp_N = true_N - lse_N
-  if label_smoothing > 0:
-    conf, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
-    sum_logp_N = jnp.sum(logits_NxV, axis=-1) - vocab * lse_N
-    xent_N = -(conf * true_logp_N + low * (sum_logp_N - true_logp_N))
-    xent_N = xent_N + (conf * jnp.log(conf) + (vocab - 1) * low * jnp.log(low + 1e-20))
-  else:
-    xent_N = -true_logp_N
+  sum_logp_N = (jnp.sum(logits_NxV, axis=-1) - vocab * lse_N) if label_smoothing > 0 else None
+  xent_N = _smoothed_xent(true_N - lse_N, sum_logp_N, vocab, label_smoothing)
   weights_N = weights_N.astype(jnp.float32)
   out = (jnp.sum(xent_N * weights_N), jnp.sum((true_N >= m_N) * weights_N), jnp.sum(weights_N))
   return out, (y_NxD, w, b_V, targets_N, weights_N, logits_NxV, lse_N)
