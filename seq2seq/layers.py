@@ -97,28 +97,49 @@ class Dropout(nn.Module):
                      jnp.zeros((), x.dtype))
 
 
+def _shape(n: int | Sequence[int]) -> tuple[int, ...]:
+  return (n,) if isinstance(n, int) else tuple(n)
+
+
 class Dense(nn.Module):
-  """y = x·W (+ b) contracting the last `contract` axes of x into `features`."""
+  """y = x·W (+ b): the last axes of x (shape `in_features`) contracted into `features`."""
+  in_features: int | Sequence[int]
   features: int | Sequence[int]
-  contract: int = 1
   use_bias: bool = True
   dtype: str = "float32"
   param_dtype: str = "float32"
 
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    feats = (self.features,) if isinstance(self.features, int) else tuple(self.features)
-    in_shape = x.shape[-self.contract:]
-    fan_in, fan_out = int(np.prod(in_shape)), int(np.prod(feats))
+  def setup(self):
+    fan_in, fan_out = int(np.prod(self.in_features)), int(np.prod(self.features))
     init = lambda key, shape, dtype: nn.initializers.xavier_uniform()(
         key, (fan_in, fan_out), dtype).reshape(shape)
-    kernel = self.param("kernel", init, in_shape + feats, self.param_dtype)
-    lead = x.shape[:x.ndim - self.contract]
-    y = matmul(x.reshape((-1, fan_in)), kernel.reshape((fan_in, fan_out)), self.dtype)
-    y = y.reshape(lead + feats)
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, feats, self.param_dtype)
-    return y
+    self.kernel = self.param("kernel", init, _shape(self.in_features) + _shape(self.features),
+                             self.param_dtype)
+    self.bias = (self.param("bias", nn.initializers.zeros, _shape(self.features),
+                            self.param_dtype) if self.use_bias else None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return dense_group(x, [self])[0]
+
+
+def dense_group(x: jax.Array, denses: Sequence[Dense]) -> list[jax.Array]:
+  """Dense layers that read the same x, applied as ONE matmul over their concatenated
+  kernels (one big matmul runs closer to peak than several small ones); returns each
+  layer's own output. Parameters stay per layer, so checkpoints don't change."""
+  n_in = len(_shape(denses[0].in_features))
+  fan_in = int(np.prod(x.shape[x.ndim - n_in:]))
+  w = jnp.concatenate([d.kernel.reshape(fan_in, -1) for d in denses], axis=1)
+  y = matmul(x.reshape(-1, fan_in), w, denses[0].dtype)
+  if any(d.use_bias for d in denses):
+    y = y + jnp.concatenate([d.bias.reshape(-1) if d.use_bias else
+                             jnp.zeros((int(np.prod(d.features)),), d.param_dtype)
+                             for d in denses])
+  outs, start = [], 0
+  for d in denses:
+    size = int(np.prod(d.features))
+    outs.append(y[:, start:start + size].reshape(x.shape[:x.ndim - n_in] + _shape(d.features)))
+    start += size
+  return outs
 
 
 class Embed(nn.Module):
@@ -142,31 +163,41 @@ class Embed(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-  """Project to heads, attend, concatenate heads, project back (self or cross)."""
+  """Project to heads, attend, concatenate heads, project back (self or cross).
+
+  Keys and values come out head-major, [B, H, K, Dh], in the compute dtype: what a KV
+  cache stores, so that a decode step reads them without a transpose.
+  """
   config: TransformerConfig
 
   def setup(self):
     cfg = self.config
     heads = (cfg.num_heads, cfg.head_dim)
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-    self.query = Dense(heads, **kw)
+    self.query = Dense(cfg.d_model, heads, **kw)
     # No key bias: q·(k + b) shifts every score of a query by the same q·b, which softmax
     # ignores, so that bias would only ever get a (numerically noisy) zero gradient.
-    self.key = Dense(heads, use_bias=False, **kw)
-    self.value = Dense(heads, **kw)
-    self.out = Dense(cfg.d_model, contract=2, **kw)
+    self.key = Dense(cfg.d_model, heads, use_bias=False, **kw)
+    self.value = Dense(cfg.d_model, heads, **kw)
+    self.out = Dense(heads, cfg.d_model, **kw)
 
-  def project_kv(self, x_BxKxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values, head-major [B, H, K, Dh], in the compute dtype (what a cache
-    stores: a decode step then reads them without a transpose)."""
-    dt = self.config.dtype
-    k_BxHxKxDh = self.key(x_BxKxD).astype(dt).transpose(0, 2, 1, 3)
-    v_BxHxKxDh = self.value(x_BxKxD).astype(dt).transpose(0, 2, 1, 3)
-    return k_BxHxKxDh, v_BxHxKxDh
+  def _heads_major(self, y_BxLxHxDh):
+    return y_BxLxHxDh.astype(self.config.dtype).transpose(0, 2, 1, 3)
 
-  def attend(self, x_BxQxD, k_BxHxKxDh, v_BxHxKxDh, mask=None, train: bool = False):
+  def project_q(self, x_BxQxD):
+    return self.query(x_BxQxD).astype(self.config.dtype)          # [B, Q, H, Dh]
+
+  def project_kv(self, x_BxKxD):
+    """(keys, values), each [B, H, K, Dh], from one matmul."""
+    return tuple(map(self._heads_major, dense_group(x_BxKxD, [self.key, self.value])))
+
+  def project_qkv(self, x_BxLxD):
+    """Self-attention: queries [B, L, H, Dh], keys and values [B, H, L, Dh], one matmul."""
+    q, k, v = dense_group(x_BxLxD, [self.query, self.key, self.value])
+    return q.astype(self.config.dtype), self._heads_major(k), self._heads_major(v)
+
+  def attend(self, q_BxQxHxDh, k_BxHxKxDh, v_BxHxKxDh, mask=None, train: bool = False):
     cfg = self.config
-    q_BxQxHxDh = self.query(x_BxQxD).astype(cfg.dtype)
     rate = cfg.attention_dropout_rate if train else 0.0
     rng = self.make_rng("dropout") if rate > 0.0 else None
     y_BxQxHxDh = dot_product_attention(q_BxQxHxDh, k_BxHxKxDh, v_BxHxKxDh, mask,
@@ -174,7 +205,9 @@ class MultiHeadAttention(nn.Module):
     return self.out(y_BxQxHxDh)
 
   def __call__(self, x_BxQxD, x_BxKxD, mask=None, train: bool = False):
-    return self.attend(x_BxQxD, *self.project_kv(x_BxKxD), mask, train)
+    if x_BxQxD is x_BxKxD:
+      return self.attend(*self.project_qkv(x_BxQxD), mask, train)
+    return self.attend(self.project_q(x_BxQxD), *self.project_kv(x_BxKxD), mask, train)
 
 
 class FeedForward(nn.Module):
@@ -185,9 +218,9 @@ class FeedForward(nn.Module):
   def __call__(self, x_BxLxD: jax.Array, train: bool = False) -> jax.Array:
     cfg = self.config
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-    h_BxLxF = nn.relu(Dense(cfg.d_ff, name="wi", **kw)(x_BxLxD))
+    h_BxLxF = nn.relu(Dense(cfg.d_model, cfg.d_ff, name="wi", **kw)(x_BxLxD))
     h_BxLxF = Dropout(cfg.dropout_rate)(h_BxLxF, deterministic=not train)
-    return Dense(cfg.d_model, name="wo", **kw)(h_BxLxF)
+    return Dense(cfg.d_ff, cfg.d_model, name="wo", **kw)(h_BxLxF)
 
 
 class AddNorm(nn.Module):
@@ -242,24 +275,24 @@ class DecoderLayer(nn.Module):
     self.ffn = FeedForward(self.config)
     self.ffn_norm = AddNorm(self.config)
 
-  def cross_kv(self, encoded_BxSxD):
-    return self.cross_attn.project_kv(encoded_BxSxD)
-
   def __call__(self, y_BxTxD, cross_kv, self_mask, cross_mask, train: bool = False,
                cache: dict | None = None, index: jax.Array | int = 0):
     new_cache = cache
 
     def masked_self_attention(h_BxTxD):
       nonlocal new_cache
-      k, v = self.self_attn.project_kv(h_BxTxD)
+      q, k, v = self.self_attn.project_qkv(h_BxTxD)
       if cache is not None:
         k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, index, 0))
         v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, index, 0))
         new_cache = {"k": k, "v": v}
-      return self.self_attn.attend(h_BxTxD, k, v, self_mask, train)
+      return self.self_attn.attend(q, k, v, self_mask, train)
+
+    def cross_attention(h_BxTxD):
+      return self.cross_attn.attend(self.cross_attn.project_q(h_BxTxD), *cross_kv, cross_mask,
+                                    train)
 
     y_BxTxD = self.self_attn_norm(y_BxTxD, masked_self_attention, train)
-    y_BxTxD = self.cross_attn_norm(
-        y_BxTxD, lambda h: self.cross_attn.attend(h, *cross_kv, cross_mask, train), train)
+    y_BxTxD = self.cross_attn_norm(y_BxTxD, cross_attention, train)
     y_BxTxD = self.ffn_norm(y_BxTxD, lambda h: self.ffn(h, train), train)
     return y_BxTxD, new_cache

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from seq2seq import attention as attn
 from seq2seq.config import TransformerConfig
 from seq2seq.layers import (AddNorm, DecoderLayer, Dense, Dropout, Embed, EncoderLayer,
-                            add_positions)
+                            add_positions, dense_group)
 
 
 def _valid(tokens_BxL, segments_BxL):
@@ -70,7 +70,12 @@ class Decoder(nn.Module):
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
 
   def cross_kv(self, encoded_BxSxD):
-    return tuple(layer.cross_kv(encoded_BxSxD) for layer in self.layers)
+    """Every layer's cross-attention (keys, values), [B, H, S, Dh] each: the encoder output
+    projected for all layers in one matmul."""
+    attns = [layer.cross_attn for layer in self.layers]
+    kv = dense_group(encoded_BxSxD, [d for a in attns for d in (a.key, a.value)])
+    return tuple((a._heads_major(kv[2 * i]), a._heads_major(kv[2 * i + 1]))
+                 for i, a in enumerate(attns))
 
   def __call__(self, y_BxTxD, cross_kv, self_mask, cross_mask, positions=None,
                train: bool = False, cache=None, index=0):
@@ -100,7 +105,7 @@ class Transformer(nn.Module):
     self.encoder = Encoder(cfg)
     self.decoder = Decoder(cfg)
     if not cfg.tie_output:
-      self.logits_dense = Dense(cfg.vocab_size, **kw)
+      self.logits_dense = Dense(cfg.d_model, cfg.vocab_size, **kw)
 
   def _src_embed(self):
     return self.embed if self.config.share_embeddings else self.src_embed

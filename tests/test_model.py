@@ -69,6 +69,65 @@ def test_feed_forward_is_relu_mlp():
   np.testing.assert_allclose(ffn.apply({"params": p}, x), want, rtol=1e-4, atol=1e-5)
 
 
+def _np_mha(p, xq, xkv, mask):
+  """Multi-head attention by hand in NumPy, from the per-projection kernels."""
+  wq, bq = np.asarray(p["query"]["kernel"]), np.asarray(p["query"]["bias"])
+  wk, wv, bv = (np.asarray(p["key"]["kernel"]), np.asarray(p["value"]["kernel"]),
+                np.asarray(p["value"]["bias"]))
+  wo, bo = np.asarray(p["out"]["kernel"]), np.asarray(p["out"]["bias"])
+  q = np.einsum("bqd,dhk->bhqk", xq, wq) + bq.transpose(0, 1)[None, :, None, :]
+  k = np.einsum("bkd,dhe->bhke", xkv, wk)
+  v = np.einsum("bkd,dhe->bhke", xkv, wv) + bv[None, :, None, :]
+  s = np.einsum("bhqe,bhke->bhqk", q, k) / np.sqrt(q.shape[-1])
+  s = np.where(mask, s, -np.inf)
+  w = np.exp(s - s.max(-1, keepdims=True))
+  w = w / w.sum(-1, keepdims=True)
+  y = np.einsum("bhqk,bhke->bqhe", w, v)
+  return np.einsum("bqhe,hed->bqd", y, wo) + bo
+
+
+def test_multi_head_attention_self_and_cross_match_numpy():
+  """Self-attention (Q, K, V from one fused matmul) and cross-attention (Q from the
+  queries, K and V from the memory) both equal the textbook per-projection computation."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 5, CFG.d_model)).astype(np.float32)
+  mem = rng.normal(size=(2, 7, CFG.d_model)).astype(np.float32)
+  mha = layers.MultiHeadAttention(CFG)
+  p = mha.init(jax.random.key(0), x, x)["params"]
+  p = jax.tree_util.tree_map(lambda a: a + 0.1 * rng.normal(size=a.shape).astype(np.float32), p)
+  causal = np.tril(np.ones((5, 5), bool))[None, None]
+  np.testing.assert_allclose(mha.apply({"params": p}, x, x, causal),
+                             _np_mha(p, x, x, causal), rtol=1e-4, atol=1e-4)
+  mask = np.ones((2, 1, 5, 7), bool)
+  mask[1, :, :, 4:] = False
+  np.testing.assert_allclose(mha.apply({"params": p}, x, mem, mask),
+                             _np_mha(p, x, mem, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_group_equals_each_dense_alone_values_and_gradients():
+  """One matmul over concatenated kernels gives each layer its own output and gradient."""
+  class Group(layers.nn.Module):
+    @layers.nn.compact
+    def __call__(self, x, fused: bool):
+      ds = [layers.Dense(4, (2, 3), name="a"), layers.Dense(4, 5, use_bias=False, name="b"),
+            layers.Dense(4, 7, name="c")]
+      return layers.dense_group(x, ds) if fused else [d(x) for d in ds]
+
+  x = np.random.default_rng(1).normal(size=(3, 2, 4)).astype(np.float32)
+  g = Group()
+  p = g.init(jax.random.key(0), x, False)
+  p = jax.tree_util.tree_map(lambda a: a + 0.3, p)   # non-zero biases
+  assert set(p["params"]["b"]) == {"kernel"}
+  fused, alone = g.apply(p, x, True), g.apply(p, x, False)
+  for f, a in zip(fused, alone):
+    assert f.shape == a.shape
+    np.testing.assert_allclose(f, a, rtol=1e-5, atol=1e-5)
+  loss = lambda p, fused: sum(jnp.sum(jnp.sin(y) * (i + 1)) for i, y in
+                              enumerate(g.apply(p, x, fused)))
+  jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5),
+                         jax.grad(loss)(p, True), jax.grad(loss)(p, False))
+
+
 @pytest.mark.parametrize("pre_ln", [False, True])
 def test_add_and_norm(pre_ln):
   cfg = CFG.replace(pre_ln=pre_ln)
