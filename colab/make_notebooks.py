@@ -495,10 +495,11 @@ ANATOMY = header(
     cross = []
     for layer in range(mc.num_decoder_layers):
       ca = dec[f"layers_{layer}"]["cross_attn"]
-      q_c, k_c = ca["query"]["__call__"][0], ca["key"]["__call__"][0]
-      w_c = attention_weights(q_c, k_c, xmask)                            # [1, H, T, S]
-      v_c = ca["value"]["__call__"][0]                                   # check: same output
-      y_c = jnp.einsum("bqhd,hdo->bqo", dot_product_attention(q_c, k_c, v_c, xmask),
+      q_c = ca["project_q"][0]                                  # queries [1, T, H, Dk]
+      k_c, v_c = dec["cross_kv"][0][layer]                      # keys, values [1, H, S, Dk]
+      w_c = attention_weights(q_c, k_c, xmask, kv_layout="BHKD")          # [1, H, T, S]
+      y_c = jnp.einsum("bqhd,hdo->bqo",                                  # check: same output
+                       dot_product_attention(q_c, k_c, v_c, xmask, kv_layout="BHKD"),
                        params["decoder"][f"layers_{layer}"]["cross_attn"]["out"]["kernel"])
       assert np.allclose(y_c + params["decoder"][f"layers_{layer}"]["cross_attn"]["out"]["bias"],
                          ca["attend"][0], atol=1e-4)
