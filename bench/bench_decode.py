@@ -108,13 +108,16 @@ def main(argv=None):
         f"dtype {args.dtype}, jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n{head}\n"
         f"{'-' * len(head)}")
+  def cell(value, width, fmt):  # "-" for what this run did not measure
+    return f"{'-' if value is None else format(value, fmt):>{width}s}"
+
   for r in rows:
-    c, f = r.get("cached"), r.get("full")
+    c, f = r.get("cached") or {}, r.get("full") or {}
     print(f"{r['model']:6s} {r['strategy']:8s} {r['batch']:5d} "
-          f"{c['tokens_per_s'] if c else float('nan'):12.0f} {r['target_tokens_per_s']:7d} "
-          f"{f['tokens_per_s'] if f else float('nan'):10.0f} "
-          f"{r.get('speedup', float('nan')):7.1f}x "
-          f"{c['compile_s'] if c else float('nan'):9.1f}")
+          f"{cell(c.get('tokens_per_s'), 12, '.0f')} {r['target_tokens_per_s']:7d} "
+          f"{cell(f.get('tokens_per_s'), 10, '.0f')} "
+          f"{cell(r.get('speedup'), 7, '.1f')}{'x' if 'speedup' in r else ' '} "
+          f"{cell(c.get('compile_s'), 9, '.1f')}")
   small_greedy = next((r for r in rows if r["model"] == "small" and r["strategy"] == "greedy"
                        and "speedup" in r), None)
   if small_greedy:
