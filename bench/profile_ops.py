@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_WRAPPER = re.compile(r"^(?:jit|jvp|transpose|vmap|remat|checkpoint)\((.*)\)$")
 
 
 def hlo_index(hlo_text: str) -> dict:
@@ -52,8 +53,8 @@ def location(op_name: str) -> str:
   bwd = "transpose(" in op_name
   parts = []
   for p in op_name.split("/"):
-    p = re.sub(r"^(jit|jvp|transpose|vmap|remat|checkpoint)\((.*)\)$", r"\2", p)
-    p = re.sub(r"^(jit|jvp|transpose)\((.*)\)$", r"\2", p)
+    while (m := _WRAPPER.match(p)):  # jvp(transpose(f)) -> f
+      p = m.group(1)
     if p in ("while", "body", "cond", "", "<lambda>", "_decode_jit", "Transformer"):
       continue
     parts.append(re.sub(r"layers_\d+", "layers_*", p))
@@ -119,7 +120,7 @@ def _trace(fn, iters: int):
   return max(paths, key=os.path.getmtime), wall
 
 
-def profile_train(preset: str, dtype: str, iters: int):
+def profile_train(preset: str, dtype: str):
   import jax
   import numpy as np
   import bench_train as bt
@@ -147,7 +148,7 @@ def profile_train(preset: str, dtype: str, iters: int):
   return hlo, run
 
 
-def profile_decode(preset: str, dtype: str, strategy: str, iters: int):
+def profile_decode(preset: str, dtype: str, strategy: str):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -187,10 +188,10 @@ def main(argv=None):
   ap.add_argument("--hlo", default="", help="also write the compiled HLO text here")
   args = ap.parse_args(argv)
   if args.what == "train":
-    hlo, run = profile_train(args.preset, args.dtype, args.iters)
+    hlo, run = profile_train(args.preset, args.dtype)
     what = f"train step, {args.preset} {args.dtype}"
   else:
-    hlo, run = profile_decode(args.preset, args.dtype, args.strategy, args.iters)
+    hlo, run = profile_decode(args.preset, args.dtype, args.strategy)
     what = f"decode call (64 steps), {args.preset} {args.strategy} {args.dtype}"
   if args.hlo:
     with open(args.hlo, "w") as f:
