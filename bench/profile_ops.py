@@ -55,7 +55,7 @@ def location(op_name: str) -> str:
   for p in op_name.split("/"):
     while (m := _WRAPPER.match(p)):  # jvp(transpose(f)) -> f
       p = m.group(1)
-    if p in ("while", "body", "cond", "", "<lambda>", "_decode_jit", "Transformer"):
+    if p in ("while", "body", "cond", "", "<lambda>", "_decode_impl", "Transformer"):
       continue
     parts.append(re.sub(r"layers_\d+", "layers_*", p))
   label = "/".join(parts[-5:]) or "(no metadata)"
@@ -165,8 +165,8 @@ def profile_decode(preset: str, dtype: str, strategy: str):
   src[:, -1] = bd.EOS
   kw = dict(strategy=bd.STRATEGIES[strategy], max_len=64, per_row_limit=False, bos_id=bd.BOS,
             eos_id=bd.EOS, pad_id=0, min_len=64, full_recompute=False, return_logits=False)
-  hlo = decoding._decode_jit.lower(params, jnp.asarray(src), jax.random.key(0), cfg=cfg,
-                                   **kw).compile().as_text()
+  hlo = decoding.decode_jit_for(cfg).lower(params, jnp.asarray(src), jax.random.key(0),
+                                            cfg=cfg, **kw).compile().as_text()
 
   def run():
     decoding.decode(cfg, params, src, bd.STRATEGIES[strategy], bos_id=bd.BOS, eos_id=bd.EOS,

@@ -48,7 +48,7 @@ from jax import lax
 
 from seq2seq.config import TransformerConfig
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer, init_cache
+from seq2seq.model import Transformer, head_weights, init_cache
 
 EXTRA_LEN = 50  # default length limit: source length + 50 (paper, section 6.1)
 NEG_INF = -jnp.inf
@@ -411,6 +411,15 @@ def _repeat_rows(tree, n: int):
   return tree if n == 1 else jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), tree)
 
 
+def head_DxV(cfg: TransformerConfig, params):
+  """The output head's weights as [D, V] (and bias [V] or None), laid out once per decode
+  call, so that every step's head is a plain [N, D]·[D, V] dot. XLA:CPU's own dot emitter
+  (which the f32 loop uses, see `CPU_F32_DECODE_OPTIONS`) runs the tied [V, D]ᵀ form of
+  it ~3x slower."""
+  w, b_V, w_is_VxD = head_weights(cfg, params)
+  return (w.T if w_is_VxD else w), b_V
+
+
 def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_len: int,
                                  repeat: int = 1, pad_id: int = 0,
                                  full_recompute: bool = False):
@@ -436,22 +445,22 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
   cross_kv = _repeat_rows(
       model.apply(variables, encoded_BxSxD, method=Transformer.precompute_cross_kv), repeat)
   src_valid = _repeat_rows(src_BxS != pad_id, repeat)
+  w_DxV, b_V = head_DxV(cfg, variables["params"])
 
   def cached_tokens_to_logits(seq_NxL1, index, cache):
     tokens_Nx1 = lax.dynamic_slice_in_dim(seq_NxL1, index, 1, axis=1)
-    logits_Nx1xV, cache = model.apply(variables, tokens_Nx1, index, cache, cross_kv, src_valid,
-                                      method=Transformer.decode_step)
-    return logits_Nx1xV[:, 0], cache
+    y_Nx1xD, cache = model.apply(variables, tokens_Nx1, index, cache, cross_kv, src_valid,
+                                 True, method=Transformer.decode_step)
+    logits_NxV = jnp.dot(y_Nx1xD[:, 0].astype(w_DxV.dtype), w_DxV,
+                         preferred_element_type=jnp.float32)
+    return (logits_NxV if b_V is None else logits_NxV + b_V.astype(jnp.float32)), cache
 
   return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "cfg", "strategy", "max_len", "per_row_limit", "bos_id", "eos_id", "pad_id", "min_len",
-    "full_recompute", "return_logits"))
-def _decode_jit(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_len: int,
-                per_row_limit: bool, bos_id: int, eos_id: int, pad_id: int, min_len: int,
-                full_recompute: bool, return_logits: bool) -> DecodeResult:
+def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_len: int,
+                 per_row_limit: bool, bos_id: int, eos_id: int, pad_id: int, min_len: int,
+                 full_recompute: bool, return_logits: bool) -> DecodeResult:
   model = Transformer(cfg)
   batch = src_BxS.shape[0]
   if cfg.dtype != "float32":
@@ -474,6 +483,33 @@ def _decode_jit(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_l
                        limits_B=limits_B, **ids)
   return sample_search(fn, state, batch_size=batch, strategy=strategy, max_len=max_len,
                        limits_B=limits_B, rng=rng, return_logits=return_logits, **ids)
+
+
+_STATIC = ("cfg", "strategy", "max_len", "per_row_limit", "bos_id", "eos_id", "pad_id",
+           "min_len", "full_recompute", "return_logits")
+_decode_jit = jax.jit(_decode_impl, static_argnames=_STATIC)
+
+# XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands
+# the loop's dots (a few rows times a [D, F] matrix each) to XLA's own dot emitter. With the
+# [D, V] head, 7 interleaved runs of `python bench/bench_decode.py --modes cached` against
+# the previous loop on an AVX2 Zen 3 (issue 7): greedy 1.46x (small) and 1.16x (base),
+# beam 4 1.00x (small) and 1.14x (base), medians. Training keeps the default: its large
+# transposed dots are faster with YNNPACK. bfloat16 keeps the default too: no gain measured
+# here (no bf16 hardware), and it is the default that ran bf16 fast on machines that have
+# it. {} turns this off (`bench_decode.py --xla_defaults`).
+CPU_F32_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def _decode_jit_with(options: tuple):
+  return jax.jit(_decode_impl, static_argnames=_STATIC, compiler_options=dict(options))
+
+
+def decode_jit_for(cfg: TransformerConfig):
+  """The jitted decode function `decode` calls for this config on the default backend."""
+  if jax.default_backend() == "cpu" and cfg.dtype == "float32" and CPU_F32_DECODE_OPTIONS:
+    return _decode_jit_with(tuple(sorted(CPU_F32_DECODE_OPTIONS.items())))
+  return _decode_jit
 
 
 def _as_key(rng):
@@ -529,11 +565,11 @@ def decode(model_or_config: Transformer | TransformerConfig, params, src_BxS,
   _check(_is_int(min_len) and min_len >= 0, f"min_len must be an integer >= 0, got {min_len!r}")
   _check(not (return_logits and isinstance(strategy, Beam)),
          "return_logits is only available for greedy and sampling")
-  out = _decode_jit(_variables(params), src_BxS.astype(jnp.int32), _as_key(rng), cfg=cfg,
-                    strategy=strategy, max_len=int(max_len), per_row_limit=per_row_limit,
-                    bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id),
-                    min_len=int(min_len), full_recompute=bool(full_recompute),
-                    return_logits=bool(return_logits))
+  out = decode_jit_for(cfg)(
+      _variables(params), src_BxS.astype(jnp.int32), _as_key(rng), cfg=cfg,
+      strategy=strategy, max_len=int(max_len), per_row_limit=per_row_limit,
+      bos_id=int(bos_id), eos_id=int(eos_id), pad_id=int(pad_id), min_len=int(min_len),
+      full_recompute=bool(full_recompute), return_logits=bool(return_logits))
   return DecodeResult(*(None if x is None else np.asarray(x) for x in out))
 
 

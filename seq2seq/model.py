@@ -148,10 +148,12 @@ class Transformer(nn.Module):
     """Each decoder layer's cross-attention keys/values, projected once per source."""
     return self.decoder.cross_kv(encoded_BxSxD)
 
-  def decode_step(self, tokens_BxT, index, cache, cross_kv, src_valid_BxS):
+  def decode_step(self, tokens_BxT, index, cache, cross_kv, src_valid_BxS,
+                  return_features: bool = False):
     """Feeds `tokens` at positions index..index+T-1, reading/writing the KV `cache`.
 
-    Returns (logits [B, T, V], new cache). Queries attend to cache slots <= their position.
+    Returns (logits [B, T, V], new cache), or with return_features the decoder output
+    [B, T, D] instead of the logits. Queries attend to cache slots <= their position.
     """
     t = tokens_BxT.shape[1]
     max_len = cache[0]["k"].shape[2]
@@ -161,7 +163,7 @@ class Transformer(nn.Module):
     y_BxTxD = self._tgt_embed()(tokens_BxT)
     y_BxTxD, cache = self.decoder(y_BxTxD, cross_kv, self_mask, x_mask, None, False,
                                   cache, index)
-    return self.output_head(y_BxTxD), cache
+    return (y_BxTxD if return_features else self.output_head(y_BxTxD)), cache
 
 
 def head_weights(config: TransformerConfig, params) -> tuple:

@@ -31,17 +31,17 @@ def _sources():
   return src
 
 
-def _random_params(seed):
+def _random_params(seed, cfg=CFG):
   """Random weights of the right shapes, without compiling `init` (compiles dominate the
   run time of this file): LayerNorm scales 1, everything else small normal noise."""
   x = jnp.ones((1, 4), jnp.int32)
-  shapes = jax.eval_shape(Transformer(CFG).init, jax.random.key(0), x, x)
+  shapes = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), x, x)
   rng = np.random.default_rng(seed)
 
   def fill(path, leaf):
     if path[-1].key == "scale":
       return np.ones(leaf.shape, np.float32)
-    std = CFG.d_model ** -0.5 if path[-1].key == "embedding" else 0.15
+    std = cfg.d_model ** -0.5 if path[-1].key == "embedding" else 0.15
     return rng.normal(0.0, std, leaf.shape).astype(np.float32)
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
@@ -173,11 +173,12 @@ def test_cached_beam_equals_full_recompute_beam(params, ref, beam):
 
 def test_params_are_an_argument_not_a_constant(params, ref, greedy):
   src, eos, a = ref["src"], ref["eos"], greedy
-  before = dec._decode_jit._cache_size()
+  jitted = dec.decode_jit_for(CFG)
+  before = jitted._cache_size()
   other = _random_params(1)
   b = _greedy(other, src, eos)
   c = _greedy(params["params"], src[::-1].copy(), eos)        # bare params tree, new data
-  assert dec._decode_jit._cache_size() == before              # no recompilation
+  assert jitted._cache_size() == before              # no recompilation
   assert not np.array_equal(a.tokens, b.tokens)
   np.testing.assert_array_equal(c.tokens, a.tokens[::-1])
 
@@ -610,6 +611,22 @@ def test_sampling_follows_the_filtered_distribution():
   want = _np_filter(PROBS, 2.0, 4, 0.8)
   assert (want > 0).sum() == 3                  # both filters bite
   np.testing.assert_allclose(got, want, atol=0.015)
+
+
+@pytest.mark.parametrize("variant", [dict(tie_output=False), dict(share_embeddings=False)])
+def test_decode_head_of_every_variant_matches_teacher_forcing(ref, variant):
+  """The loop's head (`head_DxV`: laid out [D, V] once per call) gives the logits of
+  `Transformer.output_head` for an untied projection with its bias and for a tied target
+  embedding that the source does not share."""
+  cfg = CFG.replace(**variant)
+  params = _random_params(2, cfg)
+  if "logits_dense" in params["params"]:   # a visible bias: zero would hide a missing add
+    params["params"]["logits_dense"]["bias"] += 0.5 * np.arange(V, dtype=np.float32) / V
+  out = dec.decode(cfg, params, ref["src"], dec.Greedy(), bos_id=BOS, eos_id=ref["eos"],
+                   max_len=6, min_len=6, return_logits=True)
+  tgt_in = np.concatenate([np.full((3, 1), BOS), np.asarray(out.tokens[:, 0, :-1])], 1)
+  want = np.asarray(Transformer(cfg).apply(params, ref["src"], tgt_in.astype(np.int32)))
+  np.testing.assert_allclose(out.logits, want, atol=1e-5, rtol=0)
 
 
 def test_bf16_decode_casts_weights_once_and_matches_teacher_forcing(params, ref):
