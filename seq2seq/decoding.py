@@ -485,10 +485,6 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
                        limits_B=limits_B, rng=rng, return_logits=return_logits, **ids)
 
 
-_STATIC = ("cfg", "strategy", "max_len", "per_row_limit", "bos_id", "eos_id", "pad_id",
-           "min_len", "full_recompute", "return_logits")
-_decode_jit = jax.jit(_decode_impl, static_argnames=_STATIC)
-
 # XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands
 # the loop's dots (a few rows times a [D, F] matrix each) to XLA's own dot emitter. With the
 # [D, V] head, 7 interleaved runs of `python bench/bench_decode.py --modes cached` against
@@ -501,15 +497,16 @@ CPU_F32_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 @functools.cache
-def _decode_jit_with(options: tuple):
-  return jax.jit(_decode_impl, static_argnames=_STATIC, compiler_options=dict(options))
+def _decode_jit(options: tuple = ()):
+  return jax.jit(_decode_impl, compiler_options=dict(options) or None, static_argnames=(
+      "cfg", "strategy", "max_len", "per_row_limit", "bos_id", "eos_id", "pad_id",
+      "min_len", "full_recompute", "return_logits"))
 
 
 def decode_jit_for(cfg: TransformerConfig):
   """The jitted decode function `decode` calls for this config on the default backend."""
-  if jax.default_backend() == "cpu" and cfg.dtype == "float32" and CPU_F32_DECODE_OPTIONS:
-    return _decode_jit_with(tuple(sorted(CPU_F32_DECODE_OPTIONS.items())))
-  return _decode_jit
+  cpu_f32 = jax.default_backend() == "cpu" and cfg.dtype == "float32"
+  return _decode_jit(tuple(sorted(CPU_F32_DECODE_OPTIONS.items())) if cpu_f32 else ())
 
 
 def _as_key(rng):
