@@ -4,7 +4,7 @@ One entry point, `decode(model_or_config, params, src_BxS, strategy, bos_id=, eo
 serves the CLI, the training eval loop and the notebooks. Per call it runs ONE jitted
 function: encode the source once, project each decoder layer's cross-attention keys/values
 once, then a `lax.while_loop` that feeds one token per step through `Transformer.decode_step`
-with a preallocated self-attention KV cache ([rows, max_len, heads, head_dim], written in
+with a preallocated self-attention KV cache ([rows, heads, max_len, head_dim], written in
 place). The loop stops as soon as every row has finished. Compiled once per (batch, source
 length, max_len, strategy, ...) and cached by `jax.jit`; params are an argument, never a
 closed-over constant, so new params (e.g. a new checkpoint) reuse the compiled code.
