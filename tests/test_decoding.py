@@ -178,7 +178,7 @@ def test_params_are_an_argument_not_a_constant(params, ref, greedy):
   other = _random_params(1)
   b = _greedy(other, src, eos)
   c = _greedy(params["params"], src[::-1].copy(), eos)        # bare params tree, new data
-  assert jitted._cache_size() == before              # no recompilation
+  assert jitted._cache_size() == before                       # no recompilation
   assert not np.array_equal(a.tokens, b.tokens)
   np.testing.assert_array_equal(c.tokens, a.tokens[::-1])
 
