@@ -203,3 +203,43 @@ def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
   np.testing.assert_allclose(m["loss_sum"], s, rtol=1e-5)
   assert float(m["tokens"]) == float(n) == 16
   assert float(m["correct"]) == float(accuracy(logits, tgt)[0])
+
+
+def test_train_step_applies_adam_when_finite_and_skips_a_nonfinite_step():
+  """train_step == the optimizer applied by hand (optax.adam on grads / tokens) when the
+  loss is finite; with a non-finite loss the parameters and Adam's moments are left
+  bit-for-bit as they were, the step counter advances and the bad step is reported."""
+  from seq2seq import train_lib
+  from seq2seq.config import Config, TrainConfig
+  mc = seq2seq.get_config("tiny", vocab_size=29).replace(dropout_rate=0.0)
+  # adam_eps well above rounding noise: Adam's first step with ε≈0 is lr·sign(g), which
+  # flips for a gradient near 0 between two differently compiled programs.
+  cfg = Config(model=mc, train=TrainConfig(label_smoothing=0.1, warmup_steps=5, adam_eps=1e-4))
+  rng = np.random.default_rng(0)
+  batch = {"src": jnp.asarray(rng.integers(3, 29, (4, 7)), jnp.int32),
+           "tgt": jnp.asarray(rng.integers(3, 29, (4, 6)), jnp.int32).at[1, 4:].set(0)}
+  state = train_lib.init_state(cfg, jax.random.key(0))
+  step = jax.jit(lambda s, b: train_lib.train_step(s, b, cfg=cfg, bos_id=1))
+
+  new, m = step(state, batch)
+  grads = jax.grad(lambda p: train_lib._loss_and_metrics(cfg, p, batch, 1)[0])(state.params)
+  grads = jax.tree_util.tree_map(lambda g: g / m["tokens"], grads)
+  upd, opt = train_lib.optimizer(cfg).update(grads, state.opt_state, state.params)
+  assert int(new.step) == 1 and int(m["first_bad_step"]) == train_lib._NO_STEP
+  for a, b in zip(jax.tree_util.tree_leaves(new.opt_state), jax.tree_util.tree_leaves(opt)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+  delta = jax.tree_util.tree_map(jnp.subtract, new.params, state.params)
+  size = max(float(jnp.abs(u).max()) for u in jax.tree_util.tree_leaves(upd))
+  assert size > 1e-4
+  for a, b in zip(jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(upd)):
+    np.testing.assert_allclose(a, b, atol=1e-3 * size)
+
+  bad = new.replace(params=jax.tree_util.tree_map(lambda p: p, new.params))
+  bad.params["decoder"]["layers_0"]["ffn"]["wo"]["kernel"] = (
+      bad.params["decoder"]["layers_0"]["ffn"]["wo"]["kernel"].at[0, 0].set(jnp.inf))
+  after, m2 = step(bad, batch)
+  assert not np.isfinite(float(m2["loss_sum"]))
+  assert int(after.step) == 2 and int(m2["first_bad_step"]) == 2
+  for a, b in zip(jax.tree_util.tree_leaves((after.params, after.opt_state)),
+                  jax.tree_util.tree_leaves((bad.params, bad.opt_state))):
+    np.testing.assert_array_equal(a, b)
