@@ -518,15 +518,17 @@ def _brute_force_nbest(logp, limit, alpha, n):
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 3.0])
-def test_wide_beam_equals_brute_force_nbest(alpha):
+@pytest.mark.parametrize("max_len, limits", [(4, (4, 2)), (3, (3, 1))])
+def test_wide_beam_equals_brute_force_nbest(alpha, max_len, limits):
   """With more beams than extensions (3^3 prefixes x 4 tokens at the last step), beam
   search is exhaustive, so its n-best list must be the brute-force one. Two rows with
   different length limits check per-row limits; the table is read through a prefix code
-  kept in the state, so the state must follow the beams' reordering."""
+  kept in the state, so the state must follow the beams' reordering. An odd max_len ends
+  the loop (two steps per iteration) with a step past the end."""
   logp = _random_logp(0)
   fn = _table_fn(logp)          # draws every prefix's distribution once, in a fixed order
-  out = _run_beam(fn, Beam(size=128, alpha=alpha, n_best=5), 4, [4, 2], batch=2)
-  for row, limit in ((0, 4), (1, 2)):
+  out = _run_beam(fn, Beam(size=128, alpha=alpha, n_best=5), max_len, list(limits), batch=2)
+  for row, limit in enumerate(limits):
     want = _brute_force_nbest(logp, limit, alpha, 5)
     for k, (score, seq) in enumerate(want):
       assert out.scores[row, k] == pytest.approx(score, abs=1e-4)
