@@ -25,8 +25,9 @@ Expected result: the bf16 and f32 loss curves lie on top of each other; bf16 - f
 small at every step (largest early, while the loss falls fast) and over the last 100
 steps it is well inside the seed-to-seed difference |f32(seed 1) - f32(seed 0)|. Both dtypes
 reach >= 99.5% exact match on the held-out test numbers (2026-11-23 on B: f32 99.8%, bf16
-99.9%; the f32 run had a loss spike at step 273 and recovered). Wall time on this CPU is about the
-same for both (the tiny model is dominated by overheads; bf16 speed is bench_train.py's job).
+99.9%; the f32 run had a loss spike at step 273 and recovered). Wall time on this CPU is
+about the same for both (the tiny model is dominated by overheads; bf16 speed is
+bench_train.py's job).
 
 Reported per run: the training loss at the last step, max and mean |diff| / loss over the last
 100 steps (per-step training losses; the seed reference's includes batch-to-batch noise since

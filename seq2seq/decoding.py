@@ -382,9 +382,9 @@ def beam_search(tokens_to_logits: TokensToLogits, state, *, batch_size: int, bea
       fin_seq=seq0, fin_score=jnp.full((B, K), NEG_INF, jnp.float32),
       fin_len=jnp.zeros((B, K), jnp.int32))
   # Two steps per iteration: the first step's reordered cache is the second step's scratch
-  # buffer, so XLA stops copying the whole cache back into the loop carry after each
-  # gather (a quarter of the cache traffic). A second step after every row is done changes
-  # nothing but the state, which is never read again.
+  # buffer, so XLA copies the gathered cache back into the loop carry once per iteration
+  # instead of after every step. A second step after every row is done changes nothing but
+  # the state, which is never read again.
   c = lax.while_loop(cond, lambda c: body(body(c)), carry)
 
   # n-best: finished hypotheses first (by score), then alive ones cut at the limit.
