@@ -18,6 +18,22 @@ tokens/s counts output tokens of the returned translation (batch x 64 per call),
 the beam size. compile_s is the first call minus a warm call (tracing + XLA compilation of
 the one decode program). cpu_s is the process CPU time of a warm call (steadier than wall
 time on a shared machine). Prints a table and writes JSON to bench/results/.
+
+How close to the machine's limit (cached mode). Two peaks are measured in the same run: the
+matmul peak of the compute dtype (bench_train.matmul_peak: a 2048^3 dot) and the memory read
+bandwidth (a jitted sum over 256 MB). Each cached step must at least do `step_cost`'s work:
+
+    FLOPs = 2 * N * [N_d * (6 d^2 + 2 d d_ff + 2 L d + 2 S d) + d V]
+    bytes = size * [N_d * (6 d^2 + 2 d d_ff + 12 d + d_ff) + d V       weights read once
+                     + N * N_d * 2 d (L + S)]                          self and cross K, V
+
+(N rows = batch x beams, L cache slots = new tokens, S source length, size = bytes per
+element of the compute dtype: the weights are cast once per call. 6 d^2 = self Q, K, V, O and
+cross Q, O; 12 d + d_ff = biases and LayerNorms. The cross-attention K, V projections run
+once per call and are not counted, nor are beam search's cache moves.) The roofline limit
+is batch * steps / sum over steps of max(FLOPs / matmul peak, bytes / bandwidth) tokens/s:
+the ceiling that this machine's measured peaks put on any implementation doing that work. `% peak` is model FLOP/s over the
+matmul peak, `% limit` is tokens/s over that limit.
 """
 from __future__ import annotations
 
@@ -38,12 +54,58 @@ import seq2seq
 from seq2seq import decoding
 from seq2seq.model import Transformer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import matmul_peak  # noqa: E402
+
 WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
 STRATEGIES = {"greedy": decoding.Greedy(), "beam4": decoding.Beam(size=4, alpha=0.6)}
+BEAMS = {"greedy": 1, "beam4": 4}
 # Targets for later optimisation (issue 5), cached tokens/s on the reference CPU.
 TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
 BOS, EOS = 1, 2
+COST_FORMULA = ("FLOPs/step = 2N[N_d(6d^2 + 2d*d_ff + 2Ld + 2Sd) + dV]; bytes/step = "
+                "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N*N_d*d(L + S)]")
+
+
+def step_cost(cfg, rows: int, cache_len: int, src_len: int) -> tuple[float, float]:
+  """(matmul FLOPs, minimum bytes read) of one cached decode step of `rows` rows: attention
+  over all `cache_len` cache slots (what the step computes), weights read once per step."""
+  d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_decoder_layers
+  size = np.dtype(jnp.dtype(cfg.dtype)).itemsize
+  flops = 2.0 * rows * (n * (6 * d * d + 2 * d * f + 2 * cache_len * d + 2 * src_len * d)
+                        + d * v)
+  weights = n * (6 * d * d + 2 * d * f + 12 * d + f) + d * v
+  kv = rows * n * 2 * d * (cache_len + src_len)
+  return flops, float(size * (weights + kv))
+
+
+def read_bandwidth(mbytes: int = 256, repeats: int = 7) -> dict:
+  """Bytes/s of a jitted sum over an `mbytes` MB float32 array, best of `repeats`."""
+  x = jnp.ones((mbytes * 2 ** 20 // 4,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  f(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return dict(mbytes=mbytes, best_s=min(times), bytes_per_s=x.nbytes / min(times),
+              times_s=times)
+
+
+def roofline(cfg, batch: int, beams: int, src_len: int, new_tokens: int, run_s: float,
+             peak_flops: float, bandwidth: float) -> dict:
+  """Model FLOP/s, bytes/s and the roofline limit of one cached decode call."""
+  flops, nbytes = step_cost(cfg, batch * beams, new_tokens, src_len)
+  bound_s = new_tokens * max(flops / peak_flops, nbytes / bandwidth)
+  return dict(flops_per_step=flops, bytes_per_step=nbytes,
+              model_flops_per_s=new_tokens * flops / run_s,
+              bytes_per_s=new_tokens * nbytes / run_s,
+              fraction_of_peak=new_tokens * flops / run_s / peak_flops,
+              bound="compute" if flops / peak_flops > nbytes / bandwidth else "memory",
+              limit_tokens_per_s=batch * new_tokens / bound_s,
+              fraction_of_limit=bound_s / run_s)
 
 
 def _time_decode(cfg, params, src, strategy, new_tokens, full_recompute, repeats):
@@ -103,24 +165,47 @@ def main(argv=None):
               file=sys.stderr, flush=True)
       row = dict(model=name, strategy=sname, batch=w["batch"], vocab=cfg.vocab_size,
                  target_tokens_per_s=TARGETS[(name, sname)], **result)
+      row["_cfg"] = cfg
       if "cached" in result and "full" in result:
         row["speedup"] = result["cached"]["tokens_per_s"] / result["full"]["tokens_per_s"]
       rows.append(row)
 
+  # The machine's peaks, measured after the decode runs so they don't disturb them.
+  peak = matmul_peak(args.dtype)
+  bandwidth = read_bandwidth()
+  for r in rows:
+    cfg = r.pop("_cfg")
+    if "cached" in r:
+      r["cached"]["roofline"] = roofline(
+          cfg, r["batch"], BEAMS[r["strategy"]], args.src_len, args.new_tokens,
+          r["cached"]["run_s"], peak["flops_per_s"], bandwidth["bytes_per_s"])
+
   head = (f"{'model':6s} {'strategy':8s} {'batch':>5s} {'cached tok/s':>12s} {'target':>7s} "
+          f"{'GFLOP/s':>8s} {'% peak':>6s} {'GB/s':>5s} {'limit':>6s} {'% limit':>7s} "
           f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s}")
   print(f"\nDecode speed: src_len {args.src_len}, {args.new_tokens} new tokens, "
         f"dtype {args.dtype}, jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"XLA options of the f32 loop {decoding.CPU_F32_DECODE_OPTIONS or 'default'}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n{head}\n"
-        f"{'-' * len(head)}")
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
+        f"Measured in this run: matmul peak {peak['flops_per_s'] / 1e9:.0f} GFLOP/s "
+        f"({args.dtype}, {peak['n']}^3), read bandwidth "
+        f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (sum over {bandwidth['mbytes']} MB); "
+        f"limit = roofline tokens/s of the cached step's\nminimum work ({COST_FORMULA})\n"
+        f"{head}\n{'-' * len(head)}")
   def cell(value, width, fmt):  # "-" for what this run did not measure
     return f"{'-' if value is None else format(value, fmt):>{width}s}"
 
   for r in rows:
     c, f = r.get("cached") or {}, r.get("full") or {}
+    rl = c.get("roofline") or {}
+    pct = lambda x: None if x is None else 100 * x
     print(f"{r['model']:6s} {r['strategy']:8s} {r['batch']:5d} "
           f"{cell(c.get('tokens_per_s'), 12, '.0f')} {r['target_tokens_per_s']:7d} "
+          f"{cell(rl.get('model_flops_per_s', 0) / 1e9 if rl else None, 8, '.1f')} "
+          f"{cell(pct(rl.get('fraction_of_peak')), 5, '.0f')}% "
+          f"{cell(rl.get('bytes_per_s', 0) / 1e9 if rl else None, 5, '.1f')} "
+          f"{cell(rl.get('limit_tokens_per_s'), 6, '.0f')} "
+          f"{cell(pct(rl.get('fraction_of_limit')), 6, '.0f')}% "
           f"{cell(f.get('tokens_per_s'), 10, '.0f')} "
           f"{cell(r.get('speedup'), 7, '.1f')}{'x' if 'speedup' in r else ' '} "
           f"{cell(c.get('compile_s'), 9, '.1f')}")
@@ -136,7 +221,8 @@ def main(argv=None):
               jax=jax.__version__, device=jax.devices()[0].device_kind,
               cpu_count=os.cpu_count(), machine=platform.machine(),
               load_avg=os.getloadavg(), args=vars(args),
-              cpu_f32_decode_options=decoding.CPU_F32_DECODE_OPTIONS)
+              cpu_f32_decode_options=decoding.CPU_F32_DECODE_OPTIONS,
+              matmul_peak=peak, read_bandwidth=bandwidth, cost_formula=COST_FORMULA)
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, results=rows), f, indent=2)
   print(f"wrote {args.out}")

@@ -1,0 +1,95 @@
+"""bench/bench_decode.py's cost model: the FLOPs and bytes it charges a cached decode step
+are counted independently, from the step's own jaxpr (every dot_general) and from the real
+parameter and cache arrays the step reads."""
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import seq2seq
+from seq2seq import decoding
+from seq2seq.model import Transformer, init_cache
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+import bench_decode  # noqa: E402
+
+ROWS, BEAMS, CACHE_LEN, SRC_LEN = 3, 2, 7, 5
+
+
+def _cfg(dtype):
+  return seq2seq.get_config("tiny", vocab_size=53).replace(
+      d_model=32, num_heads=4, d_ff=48, num_decoder_layers=2, dropout_rate=0.0, dtype=dtype)
+
+
+def _sub_jaxprs(value):
+  if isinstance(value, jax.extend.core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jax.extend.core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _sub_jaxprs(v)
+
+
+def _dot_flops(jaxpr) -> float:
+  """2 x output size x contracted size, summed over every dot_general, sub-jaxprs included."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        total += _dot_flops(sub)
+  return total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_cost_matches_the_step_jaxpr_and_the_arrays_it_reads(dtype):
+  cfg = _cfg(dtype)
+  model = Transformer(cfg)
+  x = jnp.ones((1, 4), jnp.int32)
+  variables = jax.jit(model.init)(jax.random.key(0), x, x)
+  src = jnp.asarray(np.random.default_rng(0).integers(3, 53, (ROWS, SRC_LEN)), jnp.int32)
+  step, cache = decoding.transformer_tokens_to_logits(model, variables, src,
+                                                      max_len=CACHE_LEN, repeat=BEAMS)
+  seq = jnp.ones((ROWS * BEAMS, CACHE_LEN + 1), jnp.int32)
+  jaxpr = jax.make_jaxpr(step)(seq, jnp.int32(2), cache).jaxpr
+  flops, nbytes = bench_decode.step_cost(cfg, ROWS * BEAMS, CACHE_LEN, SRC_LEN)
+  assert flops == _dot_flops(jaxpr)
+
+  # Bytes: the decoder's parameters except the cross-attention key/value projections (run
+  # once per call), the tied head, the self-attention cache and the cross-attention K, V.
+  params = variables["params"]
+  per_step = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["decoder"])
+              if not ("cross_attn" in jax.tree_util.keystr(path)
+                      and ("'key'" in jax.tree_util.keystr(path)
+                           or "'value'" in jax.tree_util.keystr(path)))]
+  elements = sum(a.size for a in per_step) + params["embed"]["embedding"].size
+  elements += sum(a.size for a in jax.tree_util.tree_leaves(init_cache(cfg, ROWS * BEAMS,
+                                                                        CACHE_LEN)))
+  cross = model.apply(variables, model.apply(variables, src, method=Transformer.encode),
+                      method=Transformer.precompute_cross_kv)
+  elements += BEAMS * sum(a.size for a in jax.tree_util.tree_leaves(cross))
+  assert nbytes == elements * jnp.dtype(dtype).itemsize
+
+
+def test_roofline_limit_is_the_slower_of_compute_and_memory():
+  cfg = _cfg("float32")
+  flops, nbytes = bench_decode.step_cost(cfg, ROWS, CACHE_LEN, SRC_LEN)
+  # Memory bound: bandwidth so low that bytes take 10x longer than the FLOPs.
+  r = bench_decode.roofline(cfg, ROWS, 1, SRC_LEN, CACHE_LEN, run_s=1.0,
+                            peak_flops=flops, bandwidth=nbytes / 10.0)
+  assert r["bound"] == "memory"
+  assert r["limit_tokens_per_s"] == pytest.approx(ROWS * CACHE_LEN / (CACHE_LEN * 10.0))
+  assert r["fraction_of_limit"] == pytest.approx(CACHE_LEN * 10.0)
+  r = bench_decode.roofline(cfg, ROWS, 1, SRC_LEN, CACHE_LEN, run_s=2.0,
+                            peak_flops=flops / 3.0, bandwidth=nbytes)
+  assert r["bound"] == "compute"
+  assert r["limit_tokens_per_s"] == pytest.approx(ROWS / 3.0)
+  assert r["fraction_of_peak"] == pytest.approx(CACHE_LEN * 3.0 / 2.0)
