@@ -22,7 +22,8 @@ Every (preset, dtype) runs in a fresh subprocess, which
      -> f32, or bf16 x bf16 -> f32 (preferred_element_type=float32), best of several calls
      after warm-up, in the same process right after the train steps.
 
-MFU = model FLOP/s / matmul peak of the same dtype. Model FLOPs are counted analytically
+MFU = model FLOP/s / matmul peak of the same dtype, and limit = the tokens/s at MFU 100%
+(the ceiling the measured peak puts on this step). Model FLOPs are counted analytically
 over the padded shapes (what the step computes), matmuls only:
 
     fwd = B * [ N_e * S * (8 d^2 + 4 d d_ff + 4 S d)                      encoder
@@ -168,7 +169,8 @@ def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
       tokens_per_s=tok_per_step / step_s, target_tokens_per_s=TARGETS[(preset, dtype)],
       train_flops_per_step=flops, model_flops_per_s=flops / step_s,
       matmul_peak_flops_per_s=peak["flops_per_s"], matmul_peak=peak,
-      mfu=flops / step_s / peak["flops_per_s"], peak_rss_mb=peak_rss_mb,
+      mfu=flops / step_s / peak["flops_per_s"],
+      limit_tokens_per_s=tok_per_step * peak["flops_per_s"] / flops, peak_rss_mb=peak_rss_mb,
       rss_after_import_mb=rss_start, final_loss=loss)
 
 
@@ -218,13 +220,15 @@ def main(argv=None):
 
   import jax  # only for the header / metadata
   head = (f"{'preset':6s} {'dtype':8s} {'batch':>7s} {'tok/s':>7s} {'target':>6s} "
-          f"{'step s':>7s} {'GFLOP/s':>8s} {'peak GF/s':>9s} {'MFU':>6s} {'compile s':>9s} "
+          f"{'step s':>7s} {'GFLOP/s':>8s} {'peak GF/s':>9s} {'MFU':>6s} {'limit':>6s} "
+          f"{'compile s':>9s} "
           f"{'peak RSS MB':>11s}")
   print(f"\nTrain step: target tokens/s (non-pad), jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}, {args.steps} timed steps after {1 + args.warmup} warm-up"
         f"\nMFU = model FLOP/s / {PEAK_N}^3 matmul peak of the same dtype (f32 accumulation),"
-        f" measured in the same process;\ntrain FLOPs/step = {FLOP_FORMULA}\n"
+        f" measured in the same process; limit = tokens/s at 100% MFU;\n"
+        f"train FLOPs/step = {FLOP_FORMULA}\n"
         f"{head}\n{'-' * len(head)}")
   for r in rows:
     if r.get("failed"):
@@ -233,7 +237,8 @@ def main(argv=None):
     print(f"{r['preset']:6s} {r['dtype']:8s} {r['batch']:3d}x{r['length']:<3d} "
           f"{r['tokens_per_s']:7.0f} {r['target_tokens_per_s']:6d} {r['step_s']:7.3f} "
           f"{r['model_flops_per_s'] / 1e9:8.1f} {r['matmul_peak_flops_per_s'] / 1e9:9.1f} "
-          f"{100 * r['mfu']:5.1f}% {r['compile_s']:9.1f} {r['peak_rss_mb']:11.0f}")
+          f"{100 * r['mfu']:5.1f}% {r['limit_tokens_per_s']:6.0f} {r['compile_s']:9.1f} "
+          f"{r['peak_rss_mb']:11.0f}")
   ok = [r for r in rows if not r.get("failed")]
   if ok:
     print(f"padding: {100 * statistics.mean(r['pad_fraction'] for r in ok):.1f}% of target "
