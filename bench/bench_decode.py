@@ -55,7 +55,7 @@ from seq2seq import decoding
 from seq2seq.model import Transformer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import matmul_peak  # noqa: E402
+from bench_train import matmul_peak, timed_calls  # noqa: E402
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
 STRATEGIES = {"greedy": decoding.Greedy(), "beam4": decoding.Beam(size=4, alpha=0.6)}
@@ -83,13 +83,7 @@ def step_cost(cfg, rows: int, cache_len: int, src_len: int) -> tuple[float, floa
 def read_bandwidth(mbytes: int = 256, repeats: int = 7) -> dict:
   """Bytes/s of a jitted sum over an `mbytes` MB float32 array, best of `repeats`."""
   x = jnp.ones((mbytes * 2 ** 20 // 4,), jnp.float32)
-  f = jax.jit(jnp.sum)
-  f(x).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    f(x).block_until_ready()
-    times.append(time.perf_counter() - t)
+  times = timed_calls(jax.jit(jnp.sum), x, repeats=repeats)
   return dict(mbytes=mbytes, best_s=min(times), bytes_per_s=x.nbytes / min(times),
               times_s=times)
 

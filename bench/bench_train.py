@@ -96,6 +96,18 @@ def _vm_hwm_mb() -> float:
   return float("nan")
 
 
+def timed_calls(f, *args, repeats: int = 7) -> list[float]:
+  """Wall times of `repeats` calls of jitted `f` after two warm-up calls."""
+  for _ in range(2):
+    f(*args).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(*args).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return times
+
+
 def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
   """FLOP/s of a jitted n^3 dot in `dtype` with f32 accumulation/output, best of `repeats`."""
   import jax
@@ -104,13 +116,7 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
   a = jax.random.normal(k1, (n, n), jnp.float32).astype(dtype)
   b = jax.random.normal(k2, (n, n), jnp.float32).astype(dtype)
   f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  f(a, b).block_until_ready()
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
+  times = timed_calls(f, a, b, repeats=repeats)
   best = min(times)
   return dict(n=n, dtype=dtype, best_s=best, flops_per_s=2.0 * n ** 3 / best,
               times_s=times)
