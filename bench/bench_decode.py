@@ -59,7 +59,6 @@ from bench_train import matmul_peak, timed_calls  # noqa: E402
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
 STRATEGIES = {"greedy": decoding.Greedy(), "beam4": decoding.Beam(size=4, alpha=0.6)}
-BEAMS = {"greedy": 1, "beam4": 4}
 # Targets for later optimisation (issue 5), cached tokens/s on the reference CPU.
 TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
@@ -92,12 +91,13 @@ def roofline(cfg, batch: int, beams: int, src_len: int, new_tokens: int, run_s: 
              peak_flops: float, bandwidth: float) -> dict:
   """Model FLOP/s, bytes/s and the roofline limit of one cached decode call."""
   flops, nbytes = step_cost(cfg, batch * beams, new_tokens, src_len)
-  bound_s = new_tokens * max(flops / peak_flops, nbytes / bandwidth)
+  compute_s, memory_s = flops / peak_flops, nbytes / bandwidth
+  bound_s = new_tokens * max(compute_s, memory_s)
   return dict(flops_per_step=flops, bytes_per_step=nbytes,
               model_flops_per_s=new_tokens * flops / run_s,
               bytes_per_s=new_tokens * nbytes / run_s,
               fraction_of_peak=new_tokens * flops / run_s / peak_flops,
-              bound="compute" if flops / peak_flops > nbytes / bandwidth else "memory",
+              bound="compute" if compute_s > memory_s else "memory",
               limit_tokens_per_s=batch * new_tokens / bound_s,
               fraction_of_limit=bound_s / run_s)
 
@@ -138,10 +138,10 @@ def main(argv=None):
   if args.xla_defaults:
     decoding.CPU_F32_DECODE_OPTIONS = {}
 
-  rows = []
+  rows, cfgs = [], {}
   for name in args.models.split(","):
     w = WORKLOADS[name]
-    cfg = seq2seq.get_config(name, vocab_size=w["vocab_size"]).replace(
+    cfg = cfgs[name] = seq2seq.get_config(name, vocab_size=w["vocab_size"]).replace(
         dropout_rate=0.0, dtype=args.dtype)
     x = jnp.ones((1, 4), jnp.int32)
     params = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)
@@ -159,7 +159,6 @@ def main(argv=None):
               file=sys.stderr, flush=True)
       row = dict(model=name, strategy=sname, batch=w["batch"], vocab=cfg.vocab_size,
                  target_tokens_per_s=TARGETS[(name, sname)], **result)
-      row["_cfg"] = cfg
       if "cached" in result and "full" in result:
         row["speedup"] = result["cached"]["tokens_per_s"] / result["full"]["tokens_per_s"]
       rows.append(row)
@@ -168,10 +167,10 @@ def main(argv=None):
   peak = matmul_peak(args.dtype)
   bandwidth = read_bandwidth()
   for r in rows:
-    cfg = r.pop("_cfg")
     if "cached" in r:
+      beams = getattr(STRATEGIES[r["strategy"]], "size", 1)
       r["cached"]["roofline"] = roofline(
-          cfg, r["batch"], BEAMS[r["strategy"]], args.src_len, args.new_tokens,
+          cfgs[r["model"]], r["batch"], beams, args.src_len, args.new_tokens,
           r["cached"]["run_s"], peak["flops_per_s"], bandwidth["bytes_per_s"])
 
   head = (f"{'model':6s} {'strategy':8s} {'batch':>5s} {'cached tok/s':>12s} {'target':>7s} "
@@ -189,10 +188,12 @@ def main(argv=None):
   def cell(value, width, fmt):  # "-" for what this run did not measure
     return f"{'-' if value is None else format(value, fmt):>{width}s}"
 
+  def pct(x):
+    return None if x is None else 100 * x
+
   for r in rows:
     c, f = r.get("cached") or {}, r.get("full") or {}
     rl = c.get("roofline") or {}
-    pct = lambda x: None if x is None else 100 * x
     print(f"{r['model']:6s} {r['strategy']:8s} {r['batch']:5d} "
           f"{cell(c.get('tokens_per_s'), 12, '.0f')} {r['target_tokens_per_s']:7d} "
           f"{cell(rl.get('model_flops_per_s', 0) / 1e9 if rl else None, 8, '.1f')} "
