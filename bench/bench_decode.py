@@ -25,9 +25,9 @@ bandwidth (a jitted sum over 256 MB). Each cached step must at least do `step_co
 
     FLOPs = 2 * N * [N_d * (6 d^2 + 2 d d_ff + 2 L d + 2 S d) + d V]
     bytes = size * [N_d * (6 d^2 + 2 d d_ff + 12 d + d_ff) + d V       weights read once
-                     + N * N_d * 2 d (L + S)]                          self and cross K, V
+                     + N_d * 2 d (N L + B S)]                          self and cross K, V
 
-(N rows = batch x beams, L cache slots = new tokens, S source length, size = bytes per
+(N rows = batch B x beams, L cache slots = new tokens, S source length, size = bytes per
 element of the compute dtype: the weights are cast once per call. 6 d^2 = self Q, K, V, O and
 cross Q, O; 12 d + d_ff = biases and LayerNorms. The cross-attention K, V projections run
 once per call and are not counted, nor are beam search's cache moves.) The roofline limit
@@ -67,15 +67,19 @@ COST_FORMULA = ("FLOPs/step = 2N[N_d(6d^2 + 2d*d_ff + 2Ld + 2Sd) + dV]; bytes/st
                 "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N*N_d*d(L + S)]")
 
 
-def step_cost(cfg, rows: int, cache_len: int, src_len: int) -> tuple[float, float]:
-  """(matmul FLOPs, minimum bytes read) of one cached decode step of `rows` rows: attention
-  over all `cache_len` cache slots (what the step computes), weights read once per step."""
+def step_cost(cfg, rows: int, cache_len: int, src_len: int,
+              sources: int | None = None) -> tuple[float, float]:
+  """(matmul FLOPs, minimum bytes read) of one cached decode step of `rows` rows decoding
+  `sources` sources (rows / beams; default rows): attention over all `cache_len` cache slots
+  (what the step computes), weights read once per step, the cross-attention K, V once per
+  source (a source's beams share them)."""
   d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_decoder_layers
+  sources = rows if sources is None else sources
   size = np.dtype(jnp.dtype(cfg.dtype)).itemsize
   flops = 2.0 * rows * (n * (6 * d * d + 2 * d * f + 2 * cache_len * d + 2 * src_len * d)
                         + d * v)
   weights = n * (6 * d * d + 2 * d * f + 12 * d + f) + d * v
-  kv = rows * n * 2 * d * (cache_len + src_len)
+  kv = n * 2 * d * (rows * cache_len + sources * src_len)
   return flops, float(size * (weights + kv))
 
 
@@ -90,7 +94,7 @@ def read_bandwidth(mbytes: int = 256, repeats: int = 7) -> dict:
 def roofline(cfg, batch: int, beams: int, src_len: int, new_tokens: int, run_s: float,
              peak_flops: float, bandwidth: float) -> dict:
   """Model FLOP/s, bytes/s and the roofline limit of one cached decode call."""
-  flops, nbytes = step_cost(cfg, batch * beams, new_tokens, src_len)
+  flops, nbytes = step_cost(cfg, batch * beams, new_tokens, src_len, sources=batch)
   compute_s, memory_s = flops / peak_flops, nbytes / bandwidth
   bound_s = new_tokens * max(compute_s, memory_s)
   return dict(flops_per_step=flops, bytes_per_step=nbytes,

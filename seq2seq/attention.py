@@ -69,7 +69,23 @@ def dot_product_attention(query, key, value, mask=None, *, dropout_rate: float =
 
   query [B, Q, H, D], key/value [B, K, H, D] (or [B, H, K, D] with kv_layout="BHKD")
   -> [B, Q, H, D] in query's dtype. Scores and softmax are float32 whatever the input dtype.
+
+  Shared keys: query may have r·B rows, rows b·r .. b·r + r - 1 all reading key/value row b
+  (the beams of one source in beam search, which then keep one copy of the encoder's keys
+  and values instead of r). The r rows' queries are attended as one row of r·Q queries.
   """
+  n, b = query.shape[0], key.shape[0]
+  if n != b:
+    if n % b:
+      raise ValueError(f"query rows ({n}) must be a multiple of key/value rows ({b})")
+    r, q_len = n // b, query.shape[1]
+    if mask is not None and mask.shape[0] == n:   # [r·B, M, Q|1, K] -> [B, M, r·Q, K]
+      m = jnp.broadcast_to(mask, (n, mask.shape[1], q_len, mask.shape[3]))
+      mask = m.reshape(b, r, *m.shape[1:]).swapaxes(1, 2).reshape(b, m.shape[1], r * q_len, -1)
+    y = dot_product_attention(query.reshape(b, r * q_len, *query.shape[2:]), key, value, mask,
+                              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                              kv_layout=kv_layout)
+    return y.reshape(query.shape)
   w_BxHxQxK = attention_weights(query, key, mask, kv_layout)
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, w_BxHxQxK.shape)

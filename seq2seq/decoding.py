@@ -446,9 +446,9 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
 
     return full_tokens_to_logits, ()
 
-  cross_kv = _repeat_rows(
-      model.apply(variables, encoded_BxSxD, method=Transformer.precompute_cross_kv), repeat)
-  src_valid = _repeat_rows(src_BxS != pad_id, repeat)
+  # One copy per source: the `repeat` rows of a source share it (see dot_product_attention).
+  cross_kv = model.apply(variables, encoded_BxSxD, method=Transformer.precompute_cross_kv)
+  src_valid = src_BxS != pad_id
   w_DxV, b_V = head_DxV(cfg, variables["params"])
 
   def cached_tokens_to_logits(seq_NxL1, index, cache):

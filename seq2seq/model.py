@@ -154,6 +154,8 @@ class Transformer(nn.Module):
 
     Returns (logits [B, T, V], new cache), or with return_features the decoder output
     [B, T, D] instead of the logits. Queries attend to cache slots <= their position.
+    `cross_kv` and `src_valid` may have B / r rows, each shared by r consecutive rows of
+    `tokens` (beams of one source).
     """
     t = tokens_BxT.shape[1]
     max_len = cache[0]["k"].shape[2]

@@ -112,3 +112,25 @@ def test_head_major_kv_layout_is_the_same_attention():
                              attn.dot_product_attention(q, k, v, mask), atol=1e-6)
   with pytest.raises(ValueError, match="kv_layout"):
     attn.attention_weights(q, k, mask, kv_layout="BKDH")
+
+
+@pytest.mark.parametrize("mask_rows", ["per_query_row", "per_key_row"])
+def test_query_rows_sharing_keys_match_the_numpy_loop_on_repeated_keys(mask_rows):
+  """Beam search's cross-attention: r query rows per key/value row (rows b·r .. b·r + r - 1
+  read row b) must equal attention against keys/values repeated r times."""
+  rng = np.random.default_rng(6)
+  B, r, Q, K, H, D = 2, 3, 2, 5, 2, 4
+  q = rng.normal(size=(B * r, Q, H, D)).astype(np.float32)
+  k, v = (rng.normal(size=(B, K, H, D)).astype(np.float32) for _ in range(2))
+  if mask_rows == "per_query_row":
+    mask = rng.random((B * r, 1, Q, K)) > 0.3
+    full_mask = mask
+  else:
+    mask = rng.random((B, 1, 1, K)) > 0.3
+    full_mask = np.repeat(mask, r, axis=0)
+  hm = lambda x: jnp.transpose(x, (0, 2, 1, 3))
+  got = np.asarray(attn.dot_product_attention(q, hm(k), hm(v), mask, kv_layout="BHKD"))
+  want = numpy_attention(q, np.repeat(k, r, 0), np.repeat(v, r, 0), full_mask)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  with pytest.raises(ValueError, match="multiple"):
+    attn.dot_product_attention(q[:5], k, v)

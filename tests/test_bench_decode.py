@@ -60,11 +60,12 @@ def test_step_cost_matches_the_step_jaxpr_and_the_arrays_it_reads(dtype):
                                                       max_len=CACHE_LEN, repeat=BEAMS)
   seq = jnp.ones((ROWS * BEAMS, CACHE_LEN + 1), jnp.int32)
   jaxpr = jax.make_jaxpr(step)(seq, jnp.int32(2), cache).jaxpr
-  flops, nbytes = bench_decode.step_cost(cfg, ROWS * BEAMS, CACHE_LEN, SRC_LEN)
+  flops, nbytes = bench_decode.step_cost(cfg, ROWS * BEAMS, CACHE_LEN, SRC_LEN, sources=ROWS)
   assert flops == _dot_flops(jaxpr)
 
   # Bytes: the decoder's parameters except the cross-attention key/value projections (run
-  # once per call), the tied head, the self-attention cache and the cross-attention K, V.
+  # once per call), the tied head, the self-attention cache of every beam and the
+  # cross-attention K, V of every source (its beams share them).
   params = variables["params"]
   per_step = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["decoder"])
               if not ("cross_attn" in jax.tree_util.keystr(path)
@@ -75,8 +76,12 @@ def test_step_cost_matches_the_step_jaxpr_and_the_arrays_it_reads(dtype):
                                                                         CACHE_LEN)))
   cross = model.apply(variables, model.apply(variables, src, method=Transformer.encode),
                       method=Transformer.precompute_cross_kv)
-  elements += BEAMS * sum(a.size for a in jax.tree_util.tree_leaves(cross))
+  elements += sum(a.size for a in jax.tree_util.tree_leaves(cross))
   assert nbytes == elements * jnp.dtype(dtype).itemsize
+  # ... and those are the arrays the step is handed: one copy of the cross K, V per source.
+  step_arrays = [leaf for cell in step.__closure__ or () for leaf in
+                 jax.tree_util.tree_leaves(cell.cell_contents) if isinstance(leaf, jax.Array)]
+  assert {a.shape for a in jax.tree_util.tree_leaves(cross)} <= {a.shape for a in step_arrays}
 
 
 def test_roofline_limit_is_the_slower_of_compute_and_memory():
