@@ -112,7 +112,7 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> t
     (grads, m), _ = jax.lax.scan(body, zeros, jnp.arange(k))
   n = jnp.maximum(m["tokens"], 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / n, grads)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(m["loss_sum"]) & jnp.isfinite(grad_norm)
 
   def update(s: TrainState) -> TrainState:
