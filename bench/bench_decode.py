@@ -64,7 +64,7 @@ TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
 BOS, EOS = 1, 2
 COST_FORMULA = ("FLOPs/step = 2N[N_d(6d^2 + 2d*d_ff + 2Ld + 2Sd) + dV]; bytes/step = "
-                "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N*N_d*d(L + S)]")
+                "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N_d*d(N*L + B*S)]")
 
 
 def step_cost(cfg, rows: int, cache_len: int, src_len: int,
