@@ -30,8 +30,9 @@ class TransformerConfig:
   num_encoder_layers: int = 6
   num_decoder_layers: int = 6
   d_ff: int = 2048
-  dropout_rate: float = 0.1
-  attention_dropout_rate: float = 0.0
+  dropout_rate: float = 0.1     # the paper's: sublayer outputs and embedding sums
+  attention_dropout_rate: float = 0.0  # on attention weights: not in the paper
+  ffn_dropout_rate: float = 0.0  # on the FFN's ReLU output: not in the paper (Flax WMT: 0.1)
   max_len: int = 256            # longest sequence the position table covers
   share_embeddings: bool = True  # one token embedding for source and target
   tie_output: bool = True        # output projection = target embedding transposed
@@ -47,7 +48,7 @@ class TransformerConfig:
              f"{name} must be a positive integer, got {v!r}")
     _check(self.d_model % self.num_heads == 0,
            f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
-    for name in ("dropout_rate", "attention_dropout_rate"):
+    for name in ("dropout_rate", "attention_dropout_rate", "ffn_dropout_rate"):
       v = getattr(self, name)
       _check(isinstance(v, (int, float)) and 0.0 <= v < 1.0,
              f"{name} must be in [0, 1), got {v!r}")

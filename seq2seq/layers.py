@@ -219,7 +219,7 @@ class FeedForward(nn.Module):
     cfg = self.config
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     h_BxLxF = nn.relu(Dense(cfg.d_model, cfg.d_ff, name="wi", **kw)(x_BxLxD))
-    h_BxLxF = Dropout(cfg.dropout_rate)(h_BxLxF, deterministic=not train)
+    h_BxLxF = Dropout(cfg.ffn_dropout_rate)(h_BxLxF, deterministic=not train)
     return Dense(cfg.d_ff, cfg.d_model, name="wo", **kw)(h_BxLxF)
 
 

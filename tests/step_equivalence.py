@@ -43,7 +43,8 @@ def maxdiff(a, b):
 def main():
   cfg = Config(model=TransformerConfig(vocab_size=50, d_model=32, num_heads=4,
                                        num_encoder_layers=1, num_decoder_layers=1, d_ff=64,
-                                       dropout_rate=0.1, attention_dropout_rate=0.1),
+                                       dropout_rate=0.1, attention_dropout_rate=0.1,
+                                       ffn_dropout_rate=0.1),
                train=TrainConfig(batch_size=16, warmup_steps=10, learning_rate_scale=1.0))
   devs = jax.devices()
   ref_loss, ref_params = run(cfg, devs[:1], "")
@@ -56,7 +57,8 @@ def main():
     out[name] = {"loss": float(np.max(np.abs(loss - ref_loss))), "params": maxdiff(params, ref_params)}
   # Gradient accumulation over 2 micro-batches == one big batch (without dropout, whose
   # masks are drawn per micro-batch).
-  nodrop = cfg.replace(model=cfg.model.replace(dropout_rate=0.0, attention_dropout_rate=0.0))
+  nodrop = cfg.replace(model=cfg.model.replace(dropout_rate=0.0, attention_dropout_rate=0.0,
+                                               ffn_dropout_rate=0.0))
   loss1, params1 = run(nodrop, devs[:1], "")
   loss2, params2 = run(nodrop.replace(train=nodrop.train.replace(grad_accum_steps=2)), devs[:1], "")
   out["accum2"] = {"loss": float(np.max(np.abs(loss1 - loss2))), "params": maxdiff(params1, params2)}

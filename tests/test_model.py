@@ -222,6 +222,31 @@ def test_dropout_only_in_training():
   np.testing.assert_array_equal(model.apply(params, src, tgt), model.apply(params, src, tgt))
 
 
+def test_ffn_hidden_dropout_is_off_by_default_as_in_the_paper():
+  from seq2seq.layers import FeedForward
+  x = jax.random.normal(jax.random.key(0), (2, 5, CFG.d_model))
+  paper = CFG.replace(dropout_rate=0.3)
+  assert paper.ffn_dropout_rate == 0.0 and paper.attention_dropout_rate == 0.0
+  params = FeedForward(paper).init(jax.random.key(1), x)
+
+  def run(cfg, train):
+    y, seen = FeedForward(cfg).apply(params, x, train, rngs={"dropout": jax.random.key(2)},
+                                     capture_intermediates=True, mutable=["intermediates"])
+    return np.asarray(y), seen["intermediates"]
+
+  # Residual dropout (dropout_rate) does not reach inside the FFN...
+  np.testing.assert_array_equal(run(paper, True)[0], run(paper, False)[0])
+  # ...unless asked for: then each ReLU unit is zeroed or scaled by 1/(1 - p) before W2.
+  wi, wo = (jax.tree_util.tree_map(np.asarray, params["params"][n]) for n in ("wi", "wo"))
+  h = np.maximum(np.asarray(x) @ wi["kernel"] + wi["bias"], 0)
+  y, seen = run(paper.replace(ffn_dropout_rate=0.5), True)
+  dropped = np.asarray(seen["Dropout_0"]["__call__"][0])
+  zero = dropped == 0
+  np.testing.assert_allclose(np.where(zero, 0, dropped), np.where(zero, 0, 2 * h), rtol=1e-5, atol=1e-6)
+  assert 0.4 < zero[h > 0].mean() < 0.6
+  np.testing.assert_allclose(y, dropped @ wo["kernel"] + wo["bias"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("pre_ln", [False, True])
 def test_cached_decode_step_equals_full_decoder(pre_ln):
   cfg = CFG.replace(pre_ln=pre_ln)
