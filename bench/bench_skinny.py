@@ -1,0 +1,145 @@
+"""The decode step's matmuls alone: how fast can this machine multiply a few rows by the
+decoder's weights, with XLA and with the best BLAS at hand?
+
+    python bench/bench_skinny.py                  # ~1 min
+    python bench/bench_skinny.py --rows 8,64 --presets base
+
+A cached decode step multiplies N rows (batch x beams: 8, 16, 32 or 64 in bench_decode.py)
+by every decoder layer's FFN weights. This times exactly that chain, one FFN per decoder
+layer of the preset (x <- x + relu(x W1) W2, distinct weights, so they stream from memory
+as in the decode loop), three ways:
+  xla_decode   jitted with the f32 decode loop's options (decoding.CPU_F32_DECODE_OPTIONS)
+  xla_default  jitted with XLA's default CPU options (YNNPACK fusions)
+  numpy        NumPy's matmul (its BLAS: OpenBLAS in the wheels), float32
+and prints GFLOP/s and weight GB/s beside the matmul peak and the read bandwidth measured in
+the same run. If a well-tuned BLAS is no faster than XLA on these shapes, the gap between
+bench_decode.py's tokens/s and its roofline limit lies in skinny matmuls on this CPU, not
+in how the loop is built. The three chains are checked to agree. JSON to bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+# OpenBLAS's threads spin for up to 2^28 cycles after each call, stealing the cores from
+# XLA's next call (which then ran up to 2x slower here); 2^4 makes them sleep at once.
+# Read when NumPy loads OpenBLAS, so it must come first.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import seq2seq
+from seq2seq import decoding
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import read_bandwidth  # noqa: E402
+from bench_train import matmul_peak  # noqa: E402
+
+
+def ffn_chain(x, layers):
+  for w1, w2 in layers:
+    x = x + jnp.maximum(x @ w1, 0.0) @ w2
+  return x
+
+
+def ffn_chain_numpy(x, layers):
+  for w1, w2 in layers:
+    x = x + np.maximum(x @ w1, 0.0) @ w2
+  return x
+
+
+def _interleaved_medians(fns: dict, repeats: int, block: int = 10) -> dict:
+  """Per-call wall time of each function: blocks of `block` back-to-back calls (as in the
+  decode loop), the blocks of the functions in turns so that a drift hits all alike, the
+  median over `repeats` blocks, each after an untimed call."""
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      fn()
+      t = time.perf_counter()
+      for _ in range(block):
+        fn()
+      times[name].append((time.perf_counter() - t) / block)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def measure(d: int, d_ff: int, n_layers: int, rows: int, repeats: int) -> dict:
+  """GFLOP/s and weight bytes/s of the three chains for one (preset shape, rows)."""
+  keys = jax.random.split(jax.random.key(0), 2 * n_layers + 1)
+  layers = [(jax.random.normal(keys[2 * i], (d, d_ff)) * d ** -0.5,
+             jax.random.normal(keys[2 * i + 1], (d_ff, d)) * d_ff ** -0.5)
+            for i in range(n_layers)]
+  x = jax.random.normal(keys[-1], (rows, d))
+  np_layers = [(np.asarray(a), np.asarray(b)) for a, b in layers]
+  np_x = np.asarray(x)
+  xla = {"xla_decode": jax.jit(ffn_chain, compiler_options=decoding.CPU_F32_DECODE_OPTIONS
+                               or None),
+         "xla_default": jax.jit(ffn_chain)}
+  ref = ffn_chain_numpy(np_x.astype(np.float64), [(a.astype(np.float64), b.astype(np.float64))
+                                                   for a, b in np_layers])
+  runs = {name: (lambda f=f: f(x, layers).block_until_ready()) for name, f in xla.items()}
+  runs["numpy"] = lambda: ffn_chain_numpy(np_x, np_layers)
+  for name, f in xla.items():
+    np.testing.assert_allclose(np.asarray(f(x, layers)), ref, rtol=1e-3, atol=1e-3,
+                               err_msg=name)
+  np.testing.assert_allclose(ffn_chain_numpy(np_x, np_layers), ref, rtol=1e-3, atol=1e-3)
+  flops = 2.0 * rows * n_layers * 2 * d * d_ff
+  nbytes = 4.0 * n_layers * 2 * d * d_ff
+  out = dict(rows=rows, d=d, d_ff=d_ff, layers=n_layers, flops=flops, weight_bytes=nbytes)
+  for name, s in _interleaved_medians(runs, repeats).items():
+    out[name] = dict(s=s, flops_per_s=flops / s, bytes_per_s=nbytes / s)
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--presets", default="small,base")
+  ap.add_argument("--rows", default="8,16,32,64")
+  ap.add_argument("--repeats", type=int, default=15)
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                "skinny.json"))
+  args = ap.parse_args(argv)
+
+  results = []
+  for preset in args.presets.split(","):
+    cfg = seq2seq.get_config(preset)
+    for rows in (int(r) for r in args.rows.split(",")):
+      r = measure(cfg.d_model, cfg.d_ff, cfg.num_decoder_layers, rows, args.repeats)
+      results.append(dict(preset=preset, **r))
+      print(f"  {preset} rows {rows} done", file=sys.stderr, flush=True)
+  peak = matmul_peak("float32")
+  bandwidth = read_bandwidth()
+
+  names = ("xla_decode", "xla_default", "numpy")
+  print(f"Decoder FFN chain x <- x + relu(x W1) W2, float32, jax {jax.__version__}, "
+        f"numpy {np.__version__}, {os.cpu_count()} CPUs")
+  print(f"Measured in this run: matmul peak {peak['flops_per_s'] / 1e9:.0f} GFLOP/s (2048^3), "
+        f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (sum over 256 MB)")
+  print(f"{'preset':6s} {'rows':>4s} {'weights':>8s}  " +
+        "  ".join(f"{n + ' GFLOP/s':>19s} {'GB/s':>5s}" for n in names) + f"  {'numpy/xla':>9s}")
+  print("-" * 108)
+  for r in results:
+    cells = "  ".join(f"{r[n]['flops_per_s'] / 1e9:19.1f} {r[n]['bytes_per_s'] / 1e9:5.1f}"
+                      for n in names)
+    print(f"{r['preset']:6s} {r['rows']:4d} {r['weight_bytes'] / 2 ** 20:6.1f}MB  {cells}  "
+          f"{r['xla_decode']['s'] / r['numpy']['s']:8.2f}x")
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                   machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+                   jax=jax.__version__, numpy=np.__version__, matmul_peak=peak,
+                   read_bandwidth=bandwidth, results=results), f, indent=2)
+  print(f"wrote {args.out}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,28 @@
+"""bench/bench_skinny.py times XLA's and NumPy's few-row FFN chains; they must compute the
+same thing, and its FLOP and byte counts must be the chain's."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+import bench_skinny  # noqa: E402
+
+
+def test_measure_counts_the_chain_and_times_all_three():
+  r = bench_skinny.measure(d=32, d_ff=48, n_layers=3, rows=5, repeats=1)
+  assert r["flops"] == 2 * 5 * 3 * (32 * 48 + 48 * 32)
+  assert r["weight_bytes"] == 4 * 3 * (32 * 48 + 48 * 32)
+  for name in ("xla_decode", "xla_default", "numpy"):
+    assert r[name]["s"] > 0
+    assert r[name]["flops_per_s"] == pytest.approx(r["flops"] / r[name]["s"])
+
+
+def test_measure_rejects_a_chain_that_computes_something_else(monkeypatch):
+  def no_relu(x, layers):
+    for w1, w2 in layers:
+      x = x + (x @ w1) @ w2
+    return x
+  monkeypatch.setattr(bench_skinny, "ffn_chain", no_relu)
+  with pytest.raises(AssertionError, match="xla_decode"):
+    bench_skinny.measure(d=32, d_ff=48, n_layers=2, rows=4, repeats=1)
