@@ -32,8 +32,8 @@ element of the compute dtype: the weights are cast once per call. 6 d^2 = self Q
 cross Q, O; 12 d + d_ff = biases and LayerNorms. The cross-attention K, V projections run
 once per call and are not counted, nor are beam search's cache moves.) The roofline limit
 is batch * steps / sum over steps of max(FLOPs / matmul peak, bytes / bandwidth) tokens/s:
-the ceiling that this machine's measured peaks put on any implementation doing that work. `% peak` is model FLOP/s over the
-matmul peak, `% limit` is tokens/s over that limit.
+the ceiling that this machine's measured peaks put on any implementation doing that work.
+`% peak` is model FLOP/s over the matmul peak, `% limit` is tokens/s over that limit.
 """
 from __future__ import annotations
 

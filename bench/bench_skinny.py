@@ -14,7 +14,12 @@ as in the decode loop), three ways:
 and prints GFLOP/s and weight GB/s beside the matmul peak and the read bandwidth measured in
 the same run. If a well-tuned BLAS is no faster than XLA on these shapes, the gap between
 bench_decode.py's tokens/s and its roofline limit lies in skinny matmuls on this CPU, not
-in how the loop is built. The three chains are checked to agree. JSON to bench/results/.
+in how the loop is built. The three chains are checked to agree.
+
+Then, for each bench_decode.py workload whose row count was measured, the ceiling at those
+rates: the tokens/s if every matmul FLOP of its step (bench_decode.step_cost) ran as fast
+as this chain does (batch x rate / FLOPs per step; beam search's cache move not counted).
+JSON to bench/results/.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ import seq2seq
 from seq2seq import decoding
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import read_bandwidth  # noqa: E402
+from bench_decode import STRATEGIES, TARGETS, WORKLOADS, read_bandwidth, step_cost  # noqa: E402
 from bench_train import matmul_peak  # noqa: E402
 
 
@@ -99,6 +104,31 @@ def measure(d: int, d_ff: int, n_layers: int, rows: int, repeats: int) -> dict:
   return out
 
 
+def ceiling_tokens_per_s(cfg, batch: int, beams: int, flops_per_s: float,
+                         src_len: int = 32, new_tokens: int = 64) -> float:
+  """Decode tokens/s if each step's matmul FLOPs ran at `flops_per_s` (nothing else)."""
+  flops, _ = step_cost(cfg, batch * beams, new_tokens, src_len, sources=batch)
+  return batch * flops_per_s / flops
+
+
+def ceilings(results: list[dict]) -> list[dict]:
+  """ceiling_tokens_per_s of each bench_decode workload at the measured rates."""
+  by_shape = {(r["preset"], r["rows"]): r for r in results}
+  out = []
+  for (model, strategy), target in TARGETS.items():
+    w = WORKLOADS[model]
+    beams = getattr(STRATEGIES[strategy], "size", 1)
+    r = by_shape.get((model, w["batch"] * beams))
+    if r is None:
+      continue
+    cfg = seq2seq.get_config(model, vocab_size=w["vocab_size"])
+    out.append(dict(model=model, strategy=strategy, rows=r["rows"], target_tokens_per_s=target,
+                    **{name: ceiling_tokens_per_s(cfg, w["batch"], beams,
+                                                  r[name]["flops_per_s"])
+                       for name in ("xla_decode", "numpy")}))
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--presets", default="small,base")
@@ -131,12 +161,22 @@ def main(argv=None):
                       for n in names)
     print(f"{r['preset']:6s} {r['rows']:4d} {r['weight_bytes'] / 2 ** 20:6.1f}MB  {cells}  "
           f"{r['xla_decode']['s'] / r['numpy']['s']:8.2f}x")
+  limits = ceilings(results)
+  if limits:
+    print("\nDecode ceiling if every matmul of the step ran at the rate above "
+          "(bench_decode.py workloads, tokens/s):")
+    print(f"{'model':6s} {'strategy':8s} {'rows':>4s} {'xla_decode':>10s} {'numpy':>7s} "
+          f"{'target':>6s}")
+    for c in limits:
+      print(f"{c['model']:6s} {c['strategy']:8s} {c['rows']:4d} {c['xla_decode']:10.0f} "
+            f"{c['numpy']:7.0f} {c['target_tokens_per_s']:6d}")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                    machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                    jax=jax.__version__, numpy=np.__version__, matmul_peak=peak,
-                   read_bandwidth=bandwidth, results=results), f, indent=2)
+                   read_bandwidth=bandwidth, results=results, decode_ceilings=limits), f,
+              indent=2)
   print(f"wrote {args.out}")
   return results
 

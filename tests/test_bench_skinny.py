@@ -26,3 +26,22 @@ def test_measure_rejects_a_chain_that_computes_something_else(monkeypatch):
   monkeypatch.setattr(bench_skinny, "ffn_chain", no_relu)
   with pytest.raises(AssertionError, match="xla_decode"):
     bench_skinny.measure(d=32, d_ff=48, n_layers=2, rows=4, repeats=1)
+
+
+def test_decode_ceiling_is_the_roofline_with_unlimited_bandwidth():
+  import bench_decode
+  import seq2seq
+  cfg = seq2seq.get_config("small", vocab_size=8000)
+  rate = 90e9
+  roof = bench_decode.roofline(cfg, batch=16, beams=4, src_len=32, new_tokens=64, run_s=1.0,
+                               peak_flops=rate, bandwidth=float("inf"))
+  assert bench_skinny.ceiling_tokens_per_s(cfg, 16, 4, rate) == pytest.approx(
+      roof["limit_tokens_per_s"])
+  # ceilings() picks each workload's row count (batch x beams) from the measured rows.
+  fake = [dict(preset="small", rows=n, xla_decode=dict(flops_per_s=rate),
+               numpy=dict(flops_per_s=2 * rate)) for n in (16, 64)]
+  got = {(c["model"], c["strategy"]): c for c in bench_skinny.ceilings(fake)}
+  assert set(got) == {("small", "greedy"), ("small", "beam4")}
+  assert got[("small", "beam4")]["rows"] == 64
+  assert got[("small", "beam4")]["xla_decode"] == pytest.approx(roof["limit_tokens_per_s"])
+  assert got[("small", "beam4")]["numpy"] == pytest.approx(2 * roof["limit_tokens_per_s"])
