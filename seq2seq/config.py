@@ -210,18 +210,19 @@ def get_experiment(name: str = "numbers") -> Config:
   (`tiny`, `small`, `base`, `big`) with the paper's training recipe."""
   if name == "numbers":
     # python train.py   On a 2-core CPU: ~1.5-2.5 minutes in all (dataset build,
-    # SentencePiece, compilation, 300 steps, evaluation); reaches >= 99.4% exact match on
-    # the 1,002 held-out test numbers (6 seeds: 99.4-100%; validation is at 100% from about
-    # step 200). Without the gradient clipping 4 of the same 6 seeds ended in a loss spike
-    # (test exact match 71-97.5%).
+    # SentencePiece, compilation, 300 steps, evaluation); reaches 100% exact match on the
+    # 1,002 held-out test numbers (6 seeds; validation is at 100% from about step 200) and
+    # gets all round numbers but "zero" right. With the paper's adam_b2=0.98, 2 of 3 seeds
+    # had a loss spike in the last 25 steps (test 98.8% / 99.7%, round numbers 74% / 98%);
+    # without the gradient clipping, 4 of 6 seeds ended in a loss spike (test 71-97.5%).
     return Config(
         model=TransformerConfig(d_model=64, num_heads=4, num_encoder_layers=2,
                                 num_decoder_layers=2, d_ff=256, dropout_rate=0.0, max_len=64),
         data=DataConfig(dataset="numbers", max_src_len=48, max_tgt_len=48),
         train=TrainConfig(steps=300, batch_size=64, seq_len=64, warmup_steps=150,
-                          learning_rate_scale=0.35, clip_grad_norm=1.0, eval_every=100,
-                          checkpoint_every=100, log_every=25, eval_batch_size=256,
-                          num_eval_examples=200))
+                          learning_rate_scale=0.35, clip_grad_norm=1.0, adam_b2=0.99,
+                          eval_every=100, checkpoint_every=100, log_every=25,
+                          eval_batch_size=256, num_eval_examples=200))
   model = get_config(name)
   if name in ("tiny", "small"):
     return Config(model=model, train=TrainConfig(steps=20000, batch_size=128, seq_len=128,

@@ -12,11 +12,16 @@ from seq2seq.data import numbers
 
 def test_full_size_splits_disjoint_and_balanced():
   s = numbers.split_numbers()
-  assert {k: len(v) for k, v in s.items()} == {"train": 29332, "validation": 1002,
+  assert {k: len(v) for k, v in s.items()} == {"train": 30045, "validation": 1002,
                                                "test": 1002}
   train, val, test = (set(s[k].tolist()) for k in ("train", "validation", "test"))
   assert not train & test and not train & val and not val & test
   assert set(range(1000)) <= train
+  # every round number (<= 2 nonzero digits) is in train unless it is held out
+  naive = {n for n in range(1000, 1_000_000) if sum(c != "0" for c in str(n)) <= 2}
+  assert set(numbers.round_numbers().tolist()) == naive and len(naive) == 999
+  assert {3000, 3400, 300400, 990000} <= naive and not {3450, 300401} & naive
+  assert naive - val - test <= train and len(naive & (val | test)) == 19
   for lo, hi in numbers.STRATA:  # a third of each held-out split per magnitude
     assert ((s["test"] >= lo) & (s["test"] < hi)).sum() == 334
   assert np.array_equal(numbers.split_numbers()["test"], s["test"])  # deterministic
@@ -36,9 +41,10 @@ def test_words():
 @pytest.fixture
 def tiny_numbers(monkeypatch):
   """The builder with 3 held-out numbers per stratum and 20 training numbers per stratum
-  (plus 0..999), so a build takes a second."""
+  (plus 0..999 and the 27 round numbers with one nonzero digit), so a build takes a second."""
   monkeypatch.setattr(numbers, "HELDOUT_PER_STRATUM", 3)
   monkeypatch.setattr(numbers, "TRAIN_PER_STRATUM", 20)
+  monkeypatch.setattr(numbers, "ROUND_NONZERO_DIGITS", 1)
 
 
 def _read(builder, split, lang):
@@ -57,7 +63,7 @@ def test_builder_tiny_deterministic(tiny_numbers, tmp_path, lang):
     runs.append({s: _read(b, s, lang) for s in ("train", "validation", "test")})
   assert runs[0] == runs[1]                                  # same records, same order
   data = runs[0]
-  assert {k: len(v) for k, v in data.items()} == {"train": 1060, "validation": 9, "test": 9}
+  assert {k: len(v) for k, v in data.items()} == {"train": 1087, "validation": 9, "test": 9}
   nums = {k: {n for n, _, _ in v} for k, v in data.items()}
   assert not nums["train"] & nums["test"] and not nums["train"] & nums["validation"]
   assert not nums["validation"] & nums["test"]

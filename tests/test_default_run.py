@@ -1,0 +1,37 @@
+"""The main job as README.md gives it: `python train.py` on the embedded default task, then
+`decode.py` on the numbers people type first. The one slow test: ~2 minutes on 2 cores."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from seq2seq.data import numbers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_train_py_learns_the_numbers(tmp_path):
+  env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds")}
+  wd = tmp_path / "run"
+  subprocess.run([sys.executable, "train.py", "--workdir", str(wd), "--no_progress"],
+                 cwd=ROOT, env=env, check=True, timeout=1200, capture_output=True)
+  metrics = [json.loads(line) for line in open(wd / "metrics.jsonl")]
+  test = [m for m in metrics if m["split"] == "test"][-1]
+  assert test["step"] == 300 and test["examples"] == 1002
+  assert test["exact_match"] >= 0.99                     # held-out numbers
+
+  # Trained on, but rare among random numbers: the first thousand (one example each) and
+  # the round numbers, where French changes ("deux cents" / "deux cent un", "mille").
+  ns = list(range(1000)) + numbers.round_numbers().tolist()
+  out = subprocess.run(
+      [sys.executable, "decode.py", "--workdir", str(wd), "--beam-size", "1", "--no-progress",
+       "--input", "-"], input="\n".join(numbers.number_words(n, "en") for n in ns) + "\n",
+      cwd=ROOT, env=env, check=True, timeout=600, capture_output=True, text=True)
+  hyp = out.stdout.splitlines()
+  assert len(hyp) == len(ns)
+  ok = np.array([h == numbers.number_words(n, "fr") for n, h in zip(ns, hyp)])
+  assert ok[:1000].mean() >= 0.99 and ok[1000:].mean() >= 0.98, (
+      [(n, h) for n, h, good in zip(ns, hyp, ok) if not good][:20])
