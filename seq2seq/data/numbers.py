@@ -43,7 +43,8 @@ def _hash64(x: np.ndarray, salt: int = 0x5E2_5E2) -> np.ndarray:
 def round_numbers() -> np.ndarray:
   """Numbers in [1000, 1e6) with at most ROUND_NONZERO_DIGITS nonzero digits."""
   n = np.arange(STRATA[0][0], STRATA[-1][1], dtype=np.int64)
-  nonzero = sum(((n // 10 ** k) % 10 != 0).astype(int) for k in range(6))
+  digits = len(str(STRATA[-1][1] - 1))
+  nonzero = sum(((n // 10 ** k) % 10 != 0).astype(int) for k in range(digits))
   return n[nonzero <= ROUND_NONZERO_DIGITS]
 
 
