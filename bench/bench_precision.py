@@ -1,19 +1,24 @@
 """Mixed precision trains like float32: the default `python train.py` run in both dtypes.
 
-    python bench/bench_precision.py                   # 3 runs x 300 steps: ~8-10 min on 2 CPU cores
-    python bench/bench_precision.py --no-noise-ref    # float32 + bfloat16 only: ~6 min
-    python bench/bench_precision.py --steps 30 --out /tmp/p.json   # check the script: ~1.5 min
+    python bench/bench_precision.py             # 2 dtypes x 3 seeds x 300 steps: ~8-10 min on 2 CPU cores
+    python bench/bench_precision.py --seeds 1   # float32 + bfloat16 only, no noise reference: ~3 min
+    python bench/bench_precision.py --steps 30 --seeds 2 --out /tmp/p.json   # check the script: ~2 min
 
 The run is the embedded default experiment (`get_experiment("numbers")`: tiny model, no
-dropout, English->French numbers, 300 steps), trained from scratch three times, each in a
-fresh subprocess and its own workdir:
+dropout, English->French numbers, 300 steps), trained from scratch in each dtype with each
+seed 0..N-1, each run in a fresh subprocess and its own workdir:
 
-  float32         model.dtype=float32, train.seed=0           (the reference)
-  bfloat16        model.dtype=bfloat16, train.seed=0           bf16 matmul inputs, f32
+  float32_sK      model.dtype=float32, train.seed=K
+  bfloat16_sK     model.dtype=bfloat16, train.seed=K     bf16 matmul inputs, f32
                   accumulation; f32 parameters, optimizer state, softmax, LayerNorm, loss
-  float32_seed1   model.dtype=float32, train.seed=1            the noise reference
-                  (train.seed sets the initialisation *and* the order of the training
-                  batches, so this run sees other batches at each step)
+
+train.seed sets the initialisation *and* the order of the training batches, so
+bfloat16_sK - float32_sK is the effect of the dtype alone, and seed t - seed s within a dtype
+(other initialisation, other batches at each step) is the noise it is judged against. One
+noise pair is not enough: these runs have occasional short loss spikes (a step whose loss is
+several times its neighbours'), at different steps in different runs, and a spike in one run
+of a pair dominates that pair's largest difference. Hence three seeds: three bf16 - f32 pairs
+against six seed pairs.
 
 Everything else is the default config, except `train.log_every=1` (the training loss of every
 step, not the mean of 25; it costs a host sync per step, the same in every run). The float32
@@ -22,26 +27,30 @@ tokenized splits are built once (in `<workdir>/tfds` and `<workdir>/data`) and c
 each run's workdir, so no run rebuilds them and all share one vocabulary.
 
 Expected result: the bf16 and f32 loss curves lie on top of each other; bf16 - f32 is
-small at every step (largest early, while the loss falls fast) and over the last 100
-steps it is well inside the seed-to-seed difference |f32(seed 1) - f32(seed 0)|. Both dtypes
-reach >= 99.5% exact match on the held-out test numbers (2026-11-23 on B: f32 99.8%, bf16
-99.9%; the f32 run had a loss spike at step 273 and recovered). Wall time on this CPU is
-about the same for both (the tiny model is dominated by overheads; bf16 speed is
+tiny while the loss falls (< 0.1% for ~40 steps) and then, as rounding differences
+compound, grows to the size of the seed-to-seed differences, not beyond them. 2026-11-24 on
+B, over the last 100 steps: mean |d| / loss 0.6-11.8% for bf16 - f32 against 3.3-14.8% for
+the seed pairs; the largest single step 1.7-112% against 62-83%, the 112% being seed 0,
+where f32 spiked at step 145 and bf16 at 205 instead (spikes come with particular batches:
+in seeds 1 and 2 both dtypes spiked at the same steps, and stayed within 1% on average).
+Test exact match: f32 100% with all three seeds, bf16 99.9%, 100%, 100%. Wall time on this
+CPU is about the same for both (the tiny model is dominated by overheads; bf16 speed is
 bench_train.py's job).
 
-Reported per run: the training loss at the last step, max and mean |diff| / loss over the last
-100 steps (per-step training losses; the seed reference's includes batch-to-batch noise since
-its batches differ, so the difference of the 100-step mean losses is also given), the final
-validation/test metrics of `TrainResult` (loss, token accuracy, BLEU, chrF, exact match; the
-final evaluation reads the whole split unless `--eval-examples` caps it), and wall time.
+Reported per run: the training loss at the last step, the steps with a loss spike, the
+final validation/test metrics of `TrainResult` (loss, token accuracy, BLEU, chrF, exact
+match; the final evaluation reads the whole split unless `--eval-examples` caps it), and
+wall time. Per pair, over the last 100 steps: max and mean |diff| / loss of the per-step
+losses, and the difference of the 100-step mean losses; then the range of each over the
+bf16 - f32 pairs beside its range over the seed pairs.
 
 Writes bench/results/precision.json and bench/results/precision.png (top: loss vs step of
-every run, log scale; middle: bf16 - f32 and f32(seed 1) - f32(seed 0) per step; bottom: the
-same as |difference| / f32 loss on a log scale, where the late, small differences show).
-`--workdir DIR` keeps the runs (DIR/float32 etc., each with config.json and metrics.jsonl)
-and reuses DIR/tfds and DIR/data next time; the run directories are recreated on every
-invocation (a leftover run would otherwise be resumed). Without it a temporary directory is
-used and removed.
+every run, log scale; middle: every pair's difference per step, bf16 - f32 in orange over
+the seed pairs in grey; bottom: the same as |difference| / loss on a log scale, where the
+late, small differences show). `--workdir DIR` keeps the runs (DIR/float32_s0 etc., each
+with config.json and metrics.jsonl) and reuses DIR/tfds and DIR/data next time; the run
+directories are recreated on every invocation (a leftover run would otherwise be resumed).
+Without it a temporary directory is used and removed.
 """
 from __future__ import annotations
 
@@ -59,12 +68,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "precision.json")
 WINDOW = 100  # the last steps over which the curves are compared
+DTYPES = ("float32", "bfloat16")
 
-RUNS = {  # name -> overrides on top of the default experiment
-    "float32": ["model.dtype=float32", "train.seed=0"],
-    "bfloat16": ["model.dtype=bfloat16", "train.seed=0"],
-    "float32_seed1": ["model.dtype=float32", "train.seed=1"],
-}
+
+def run_names(seeds: int) -> dict[str, list[str]]:
+  """name -> overrides on top of the default experiment: each dtype with seeds 0..seeds-1."""
+  return {f"{dtype}_s{seed}": [f"model.dtype={dtype}", f"train.seed={seed}"]
+          for seed in range(seeds) for dtype in DTYPES}
+
+
+def pairs(seeds: int) -> dict[str, list[tuple[str, str]]]:
+  """The differences compared: the dtype's (bf16 - f32 at each seed: same initialisation,
+  same batches) and the noise reference's (seed t - seed s within each dtype)."""
+  return {"dtype": [(f"float32_s{s}", f"bfloat16_s{s}") for s in range(seeds)],
+          "seed": [(f"{d}_s{s}", f"{d}_s{t}") for d in DTYPES
+                   for s in range(seeds) for t in range(s + 1, seeds)]}
 
 
 def base_overrides(args) -> list[str]:
@@ -167,34 +185,63 @@ def compare(a: dict, b: dict, window: int) -> dict:
               window_mean_rel_diff=float(abs(y[w].mean() - x[w].mean()) / x[w].mean()))
 
 
-def plot(runs: dict, comps: dict, path: str, title: str):
+def spikes(run: dict, after: int = 100, factor: float = 1.5, lookback: int = 10) -> list[int]:
+  """Steps after `after` whose training loss exceeds `factor` x the median of the previous
+  `lookback` steps' losses (a rough mark for the plot and the table, nothing more)."""
+  import numpy as np
+  steps, loss = run["steps"], run["loss"]
+  return [steps[i] for i in range(lookback, len(steps))
+          if steps[i] > after and loss[i] > factor * np.median(loss[i - lookback:i])]
+
+
+def summarize(comps: dict, pairs_by_kind: dict) -> dict:
+  """Per kind of difference (dtype, seed): the range over its pairs of each window statistic."""
+  out = {}
+  for kind, ps in pairs_by_kind.items():
+    cs = [comps[p] for p in ps]
+    if cs:
+      out[kind] = {f: [min(c[f] for c in cs), max(c[f] for c in cs)]
+                   for f in ("max_rel_diff", "mean_rel_diff", "window_mean_rel_diff")}
+      out[kind]["pairs"] = len(cs)
+  return out
+
+
+def _label(pair: tuple[str, str]) -> str:
+  a, b = pair
+  return f"{b} - {a}"
+
+
+def plot(runs: dict, comps: dict, pairs_by_kind: dict, path: str, title: str):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  style = {"float32": dict(color="tab:blue", lw=1.6, label="float32 (seed 0)"),
-           "bfloat16": dict(color="tab:orange", lw=1.2, ls="--", label="bfloat16 (seed 0)"),
-           "float32_seed1": dict(color="0.55", lw=1.0, label="float32 (seed 1), noise ref")}
   fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), sharex=True,
                                       gridspec_kw=dict(height_ratios=[3, 2, 2]))
+  blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+  seeds = sorted({int(n.rsplit("_s", 1)[1]) for n in runs})
   for name, r in runs.items():
-    ax1.plot(r["steps"], r["loss"], **style[name])
+    dtype, seed = name.rsplit("_s", 1)
+    shade = 0.85 - 0.4 * seeds.index(int(seed)) / max(len(seeds) - 1, 1)
+    ax1.plot(r["steps"], r["loss"], lw=1.1, ls="-" if dtype == "float32" else "--",
+             color=(blues if dtype == "float32" else oranges)(shade),
+             label=f"{dtype} (seed {seed})")
   ax1.set_yscale("log")
   ax1.set_ylabel("training loss (per step, label-smoothed)")
   ax1.grid(True, which="both", alpha=0.3)
-  ax1.legend()
+  ax1.legend(fontsize=8, ncol=2)
   ax1.set_title(title, fontsize=10)
-  f32 = dict(zip(runs["float32"]["steps"], runs["float32"]["loss"]))
-  for key, color, lw, label in (("seed", "0.55", 0.9, "f32(seed 1) - f32(seed 0)  (noise)"),
-                                ("bf16", "tab:orange", 1.2, "bf16 - f32")):
-    if key not in comps:
-      continue
-    c = comps[key]
-    ax2.plot(c["steps"], c["diff"], color=color, lw=lw, label=label)
-    rel = [abs(d) / f32[s] for s, d in zip(c["steps"], c["diff"])]
-    ax3.plot(c["steps"], [max(r, 1e-7) for r in rel], color=color, lw=lw,
-             label=f"|{label.split('  ')[0]}| / loss")
+  # seed pairs first (grey, behind), then the dtype pairs (orange)
+  for kind, color, lw, label in (("seed", "0.6", 0.8, "seed t - seed s, same dtype (noise)"),
+                                 ("dtype", "tab:orange", 1.1, "bf16 - f32, same seed")):
+    for i, pair in enumerate(pairs_by_kind[kind]):
+      c = comps[pair]
+      ref = dict(zip(runs[pair[0]]["steps"], runs[pair[0]]["loss"]))
+      kw = dict(color=color, lw=lw, alpha=0.8, label=label if i == 0 else None)
+      ax2.plot(c["steps"], c["diff"], **kw)
+      ax3.plot(c["steps"], [max(abs(d) / ref[s], 1e-7) for s, d in zip(c["steps"], c["diff"])],
+               **kw)
   ax2.axhline(0.0, color="k", lw=0.6)
-  c = comps["bf16"]
+  c = comps[pairs_by_kind["dtype"][0]]
   for ax in (ax2, ax3):
     ax.axvspan(c["steps"][-c["window"]], c["steps"][-1], color="tab:green", alpha=0.08,
                label=f"last {c['window']} steps")
@@ -202,7 +249,7 @@ def plot(runs: dict, comps: dict, path: str, title: str):
     ax.legend(fontsize=9)
   ax2.set_ylabel("loss difference")
   ax3.set_yscale("log")
-  ax3.set_ylabel("|difference| / f32 loss")
+  ax3.set_ylabel("|difference| / loss")
   ax3.set_xlabel("step")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -221,11 +268,12 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=None,
                   help="override train.steps (default: the experiment's 300); a quick check "
                        "also caps the final evaluation, see --eval-examples")
+  ap.add_argument("--seeds", type=int, default=3,
+                  help="train each dtype with seeds 0..N-1 (default: %(default)s; 1 = no "
+                       "noise reference)")
   ap.add_argument("--eval-examples", type=int, default=None,
                   help="examples per split in the final evaluation (0 = all; default: all "
                        "for the full run, 200 when --steps is given)")
-  ap.add_argument("--no-noise-ref", action="store_true",
-                  help="skip the float32 seed-1 run (the noise reference)")
   ap.add_argument("--workdir", default=None,
                   help="keep everything under this directory (default: a temporary one)")
   ap.add_argument("--data-dir", default=None,
@@ -246,6 +294,8 @@ def main(argv=None):
     print("RESULT " + json.dumps(r), flush=True)
     return
 
+  if args.seeds < 1:
+    sys.exit(f"error: --seeds must be at least 1, got {args.seeds}")
   if args.eval_examples is None:
     args.eval_examples = 0 if args.steps is None else 200
   tmp = None
@@ -256,7 +306,7 @@ def main(argv=None):
     os.makedirs(root, exist_ok=True)
   args.data_dir = os.path.abspath(args.data_dir or os.path.join(root, "tfds"))
   shared = base_overrides(args)
-  names = [n for n in RUNS if not (args.no_noise_ref and n == "float32_seed1")]
+  run_overrides = run_names(args.seeds)
   try:
     data_workdir = os.path.join(root, "data")
     print(f"preparing the data once in {data_workdir} (TFDS data in {args.data_dir})",
@@ -266,17 +316,19 @@ def main(argv=None):
     print(f"  data: {prep['splits']}, vocabulary {prep['vocab_size']}, "
           f"{prep_wall:.0f} s", file=sys.stderr, flush=True)
     runs = {}
-    for name in names:
+    for k, (name, overrides) in enumerate(run_overrides.items()):
       wd = os.path.join(root, name)
       shutil.rmtree(wd, ignore_errors=True)  # a fresh run, never a resumed one
       os.makedirs(wd)
       shutil.copy2(os.path.join(data_workdir, "vocab.model"), wd)
       shutil.copytree(os.path.join(data_workdir, "data_cache"), os.path.join(wd, "data_cache"))
-      print(f"training {name} ({', '.join(RUNS[name])}) in {wd}", file=sys.stderr, flush=True)
+      print(f"[{k + 1}/{len(run_overrides)}] training {name} ({', '.join(overrides)}) in {wd}",
+            file=sys.stderr, flush=True)
       r, wall = _run_child(["--_child", "train", "--_dir", wd, "--eval-examples",
                             str(args.eval_examples), "--_overrides",
-                            json.dumps(shared + RUNS[name])], name)
+                            json.dumps(shared + overrides)], name)
       r["wall_s"] = wall
+      r["spikes"] = spikes(r)
       runs[name] = r
       print(f"  {name}: final loss {r['loss'][-1]:.4f}, test {_fmt_eval(r['test_metrics'])}, "
             f"{wall:.0f} s", file=sys.stderr, flush=True)
@@ -284,60 +336,71 @@ def main(argv=None):
     if tmp is not None:
       shutil.rmtree(tmp, ignore_errors=True)
 
-  comps = {"bf16": compare(runs["float32"], runs["bfloat16"], WINDOW)}
-  if "float32_seed1" in runs:
-    comps["seed"] = compare(runs["float32"], runs["float32_seed1"], WINDOW)
+  pairs_by_kind = pairs(args.seeds)
+  comps = {p: compare(runs[p[0]], runs[p[1]], WINDOW) for ps in pairs_by_kind.values()
+           for p in ps}
+  summary = summarize(comps, pairs_by_kind)
 
   import jax
-  steps = runs["float32"]["step"]
+  import numpy as np
+  steps = runs["float32_s0"]["step"]
+  window = comps[pairs_by_kind["dtype"][0]]["window"]
   eval_note = ("whole splits" if args.eval_examples == 0
                else f"first {args.eval_examples} examples per split")
   print(f"\nMixed precision vs float32: the `numbers` experiment, {steps} steps, "
-        f"train.log_every=1; jax {jax.__version__}, {os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f}; final evaluation on {eval_note}")
-  head = (f"{'run':14s} {'final loss':>10s} {'val loss':>8s} {'val acc':>7s} "
+        f"train.log_every=1, seeds 0-{args.seeds - 1}; jax {jax.__version__}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; final evaluation on "
+        f"{eval_note}")
+  head = (f"{'run':12s} {'final loss':>10s} {'val loss':>8s} {'val acc':>7s} "
           f"{'test BLEU':>9s} {'test exact':>10s} {'test acc':>8s} {'train s':>7s} "
-          f"{'wall s':>6s}")
+          f"{'wall s':>6s}  loss spikes after step 100 (> 1.5x the last 10 steps' median)")
   print(head + "\n" + "-" * len(head))
   for name, r in runs.items():
     v, t = r["eval_metrics"], r["test_metrics"]
-    print(f"{name:14s} {r['loss'][-1]:10.4f} {v.get('loss', float('nan')):8.4f} "
+    print(f"{name:12s} {r['loss'][-1]:10.4f} {v.get('loss', float('nan')):8.4f} "
           f"{v.get('accuracy', float('nan')):7.4f} {t.get('bleu', float('nan')):9.1f} "
           f"{t.get('exact_match', float('nan')):10.4f} {t.get('accuracy', float('nan')):8.4f} "
-          f"{r['train_seconds']:7.0f} {r['wall_s']:6.0f}")
+          f"{r['train_seconds']:7.0f} {r['wall_s']:6.0f}  {r['spikes'] or '-'}")
+  for dtype in DTYPES:
+    exact = [r["test_metrics"].get("exact_match", float("nan"))
+             for n, r in runs.items() if n.startswith(dtype + "_")]
+    print(f"{dtype}: test exact match mean {np.mean(exact):.4f}, min {min(exact):.4f}")
   head = (f"{'difference':26s} {'steps':>9s} {'max |d|/loss':>12s} {'mean |d|/loss':>13s} "
           f"{'d of mean loss':>14s}")
-  print(f"\nper-step training loss, last {comps['bf16']['window']} steps\n{head}\n"
-        + "-" * len(head))
-  for key, label in (("bf16", "bf16 - f32"), ("seed", "f32(seed1) - f32(seed0)")):
-    if key in comps:
-      c = comps[key]
-      print(f"{label:26s} {c['steps'][-c['window']]:4d}-{c['steps'][-1]:<4d} "
+  print(f"\nper-step training loss, last {window} steps\n{head}\n" + "-" * len(head))
+  for kind in ("dtype", "seed"):
+    for p in pairs_by_kind[kind]:
+      c = comps[p]
+      print(f"{_label(p):26s} {c['steps'][-c['window']]:4d}-{c['steps'][-1]:<4d} "
             f"{100 * c['max_rel_diff']:11.2f}% {100 * c['mean_rel_diff']:12.2f}% "
             f"{c['window_mean_diff']:+14.4f}")
-  if "seed" in comps:
-    ratio = comps["bf16"]["max_rel_diff"] / max(comps["seed"]["max_rel_diff"], 1e-12)
-    print(f"max |bf16 - f32| over the last {comps['bf16']['window']} steps is "
-          f"{ratio:.3g}x the seed-to-seed max |diff|")
+  if "seed" in summary:
+    d, s = summary["dtype"], summary["seed"]
+    print(f"over the last {window} steps, bf16 - f32 at the same seed ({d['pairs']} pairs) "
+          f"against seed-to-seed within a dtype ({s['pairs']} pairs), ranges over the pairs:")
+    for f, label in (("max_rel_diff", "max |d| / loss"), ("mean_rel_diff", "mean |d| / loss"),
+                     ("window_mean_rel_diff", "|d of mean loss| / loss")):
+      print(f"  {label:24s} bf16 - f32 {100 * d[f][0]:6.2f}-{100 * d[f][1]:<6.2f}%   "
+            f"seed-to-seed {100 * s[f][0]:6.2f}-{100 * s[f][1]:<6.2f}%")
 
   out = os.path.abspath(args.out)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   png = os.path.splitext(out)[0] + ".png"
-  plot(runs, comps, png, f"numbers experiment, {steps} steps: float32 vs bfloat16 "
-       f"(bf16 matmul inputs, f32 accumulation/params)")
+  plot(runs, comps, pairs_by_kind, png, f"numbers experiment, {steps} steps: float32 vs "
+       f"bfloat16 (bf16 matmul inputs, f32 accumulation/params), seeds 0-{args.seeds - 1}")
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, device=jax.devices()[0].device_kind,
               cpu_count=os.cpu_count(), machine=platform.machine(),
               load_avg=os.getloadavg(),
               args={k: v for k, v in vars(args).items() if not k.startswith("_")},
-              shared_overrides=shared, runs={n: RUNS[n] for n in names},
+              shared_overrides=shared, runs=run_overrides,
               window=WINDOW, data=dict(prep, wall_s=prep_wall), plot=png)
-  summary = {k: {f: v for f, v in c.items() if f not in ("steps", "diff")}
-             for k, c in comps.items()}
   with open(out, "w") as f:
     json.dump(dict(meta=meta, summary=summary, runs=runs,
-                   differences={k: dict(steps=c["steps"], diff=c["diff"])
-                                for k, c in comps.items()}), f, indent=1)
+                   differences={_label(p): dict(steps=c["steps"], diff=c["diff"],
+                                                **{k: v for k, v in c.items()
+                                                   if k not in ("steps", "diff")})
+                                for p, c in comps.items()}), f, indent=1)
   print(f"wrote {out} and {png}")
 
 
