@@ -112,6 +112,7 @@ class TrainConfig:
   seq_len: int = 64              # row length of a packed/padded batch
   learning_rate_scale: float = 1.0  # the schedule's `scale`
   warmup_steps: int = 4000
+  cooldown_steps: int = 0        # lr down linearly over the last N of `steps` (0 = paper)
   label_smoothing: float = 0.1
   adam_b1: float = 0.9
   adam_b2: float = 0.98
@@ -141,6 +142,8 @@ class TrainConfig:
     _check(0.0 <= self.label_smoothing < 1.0,
            f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
     _check(self.learning_rate_scale > 0, "learning_rate_scale must be > 0")
+    _check(isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0,
+           f"cooldown_steps must be an integer >= 0, got {self.cooldown_steps!r}")
     _check(self.decode_strategy in ("greedy", "beam"),
            f"decode_strategy must be 'greedy' or 'beam', got {self.decode_strategy!r}")
     _check(self.batch_size % self.grad_accum_steps == 0,
@@ -220,7 +223,7 @@ def get_experiment(name: str = "numbers") -> Config:
                                 num_decoder_layers=2, d_ff=256, dropout_rate=0.0, max_len=64),
         data=DataConfig(dataset="numbers", max_src_len=48, max_tgt_len=48),
         train=TrainConfig(steps=300, batch_size=64, seq_len=64, warmup_steps=150,
-                          learning_rate_scale=0.35, clip_grad_norm=1.0, adam_b2=0.99,
+                          learning_rate_scale=0.35, clip_grad_norm=1.0, adam_b2=0.99, cooldown_steps=100,
                           eval_every=100, checkpoint_every=100, log_every=25,
                           eval_batch_size=256, num_eval_examples=200))
   model = get_config(name)

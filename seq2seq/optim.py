@@ -5,14 +5,20 @@ import jax.numpy as jnp
 import optax
 
 
-def warmup_rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
+def warmup_rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
+                          cooldown_steps: int = 0, total_steps: int = 0):
   """lr(step) = scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), step from 1.
 
   Linear warm-up for `warmup_steps`, then decay with the inverse square root of the step.
+  With `cooldown_steps` > 0 (not in the paper), the last `cooldown_steps` steps up to
+  `total_steps` are also scaled linearly down to 1/cooldown_steps at the last step.
   """
   def schedule(step):
     step = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)
-    return scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+    lr = scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+    if cooldown_steps > 0:
+      lr = lr * jnp.clip((total_steps + 1 - step) / cooldown_steps, 0.0, 1.0)
+    return lr
   return schedule
 
 

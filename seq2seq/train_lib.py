@@ -44,8 +44,9 @@ class NonFiniteLoss(UserError):
 
 
 def schedule(cfg: Config) -> Callable:
-  return warmup_rsqrt_schedule(cfg.model.d_model, cfg.train.warmup_steps,
-                               cfg.train.learning_rate_scale)
+  t = cfg.train
+  return warmup_rsqrt_schedule(cfg.model.d_model, t.warmup_steps, t.learning_rate_scale,
+                               min(t.cooldown_steps, t.steps), t.steps)
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:

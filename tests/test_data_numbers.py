@@ -1,5 +1,7 @@
 """The embedded numbers task: disjoint deterministic splits, the TFDS builder (shrunk for
 speed), French and German configs, load_dataset on it."""
+import collections
+
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -41,7 +43,8 @@ def test_words():
 @pytest.fixture
 def tiny_numbers(monkeypatch):
   """The builder with 3 held-out numbers per stratum and 20 training numbers per stratum
-  (plus 0..999 and the 27 round numbers with one nonzero digit), so a build takes a second."""
+  (plus 0..999 and the 27 round numbers with one nonzero digit: 1087 numbers; with the
+  copies of 0..99, 1803 examples), so a build takes a second."""
   monkeypatch.setattr(numbers, "HELDOUT_PER_STRATUM", 3)
   monkeypatch.setattr(numbers, "TRAIN_PER_STRATUM", 20)
   monkeypatch.setattr(numbers, "ROUND_NONZERO_DIGITS", 1)
@@ -63,8 +66,15 @@ def test_builder_tiny_deterministic(tiny_numbers, tmp_path, lang):
     runs.append({s: _read(b, s, lang) for s in ("train", "validation", "test")})
   assert runs[0] == runs[1]                                  # same records, same order
   data = runs[0]
-  assert {k: len(v) for k, v in data.items()} == {"train": 1087, "validation": 9, "test": 9}
+  assert {k: len(v) for k, v in data.items()} == {"train": 1803, "validation": 9, "test": 9}
   nums = {k: {n for n, _, _ in v} for k, v in data.items()}
+  # train holds 0 24 times, 1..99 8 times each, the rest once; held-out numbers once each
+  counts = collections.Counter(n for n, _, _ in data["train"])
+  assert counts[0] == 24 and {counts[n] for n in range(1, 100)} == {8}
+  assert set(counts[n] for n in nums["train"] if n >= 100) == {1} and len(counts) == 1087
+  assert sum(1 for n, en, tgt in data["train"] if n == 0 and (en, tgt) == (
+      "zero", "zéro" if lang == "fr" else "null")) == 24
+  assert all(len(v) == len(nums[k]) for k, v in data.items() if k != "train")
   assert not nums["train"] & nums["test"] and not nums["train"] & nums["validation"]
   assert not nums["validation"] & nums["test"]
   for n, en, tgt in data["test"]:

@@ -81,6 +81,32 @@ def test_schedule_matches_paper_formula():
   assert float(sched(4 * w)) == pytest.approx(float(sched(w)) / 2, rel=1e-5)
 
 
+def test_cooldown_scales_the_last_steps_linearly_and_nothing_before():
+  d, w, total, cool = 64, 20, 100, 30
+  paper = warmup_rsqrt_schedule(d, w)
+  sched = warmup_rsqrt_schedule(d, w, cooldown_steps=cool, total_steps=total)
+  for step in range(1, total + 1):
+    factor = 1.0 if step <= total - cool else (total + 1 - step) / cool  # naive
+    assert float(sched(step)) == pytest.approx(float(paper(step)) * factor, rel=1e-5), step
+  assert float(sched(total)) == pytest.approx(float(paper(total)) / cool, rel=1e-5)
+  assert float(sched(total + 5)) == 0.0
+
+
+def test_train_schedule_uses_the_config_cooldown_and_clamps_it_to_the_run():
+  from seq2seq import config as config_lib
+  from seq2seq.train_lib import schedule
+  cfg = config_lib.get_experiment("numbers")
+  cfg = cfg.replace(train=cfg.train.replace(steps=300, warmup_steps=150, cooldown_steps=100))
+  paper = warmup_rsqrt_schedule(cfg.model.d_model, 150, cfg.train.learning_rate_scale)
+  assert float(schedule(cfg)(200)) == pytest.approx(float(paper(200)), rel=1e-6)
+  assert float(schedule(cfg)(251)) == pytest.approx(float(paper(251)) / 2, rel=1e-5)
+  short = cfg.replace(train=cfg.train.replace(steps=40))  # a quick run: cooldown = the run
+  assert float(schedule(short)(1)) == pytest.approx(float(paper(1)), rel=1e-5)
+  assert float(schedule(short)(40)) == pytest.approx(float(paper(40)) / 40, rel=1e-5)
+  with pytest.raises(config_lib.ConfigError, match="cooldown_steps"):
+    cfg.train.replace(cooldown_steps=-1)
+
+
 def test_optimizer_is_adam_with_paper_betas_and_uses_step_one_first():
   sched = warmup_rsqrt_schedule(64, 10)
   opt = make_optimizer(sched)
