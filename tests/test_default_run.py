@@ -23,7 +23,7 @@ def test_python_train_py_learns_the_numbers(tmp_path):
   assert test["step"] == 300 and test["examples"] == 1002
   assert test["exact_match"] >= 0.99                     # held-out numbers
 
-  # Trained on, but rare among random numbers: the first thousand (one example each) and
+  # Trained on, but rare among random numbers: the first thousand (a few examples each) and
   # the round numbers, where French changes ("deux cents" / "deux cent un", "mille").
   ns = list(range(1000)) + numbers.round_numbers().tolist()
   out = subprocess.run(
@@ -33,5 +33,6 @@ def test_python_train_py_learns_the_numbers(tmp_path):
   hyp = out.stdout.splitlines()
   assert len(hyp) == len(ns)
   ok = np.array([h == numbers.number_words(n, "fr") for n, h in zip(ns, hyp)])
-  assert ok[:1000].mean() >= 0.99 and ok[1000:].mean() >= 0.98, (
+  # 6 of 6 seeds got all of them right (README); a margin for other hardware's rounding
+  assert ok[:1000].mean() >= 0.995 and ok[1000:].mean() >= 0.995, (
       [(n, h) for n, h, good in zip(ns, hyp, ok) if not good][:20])
