@@ -28,14 +28,15 @@ each run's workdir, so no run rebuilds them and all share one vocabulary.
 
 Expected result: the bf16 and f32 loss curves lie on top of each other; bf16 - f32 is
 tiny while the loss falls (< 0.1% for ~40 steps) and then, as rounding differences
-compound, grows to the size of the seed-to-seed differences, not beyond them. 2026-11-24 on
-B, over the last 100 steps: mean |d| / loss 0.6-11.8% for bf16 - f32 against 3.3-14.8% for
-the seed pairs; the largest single step 1.7-112% against 62-83%, the 112% being seed 0,
-where f32 spiked at step 145 and bf16 at 205 instead (spikes come with particular batches:
-in seeds 1 and 2 both dtypes spiked at the same steps, and stayed within 1% on average).
-Test exact match: f32 100% with all three seeds, bf16 99.9%, 100%, 100%. Wall time on this
-CPU is about the same for both (the tiny model is dominated by overheads; bf16 speed is
-bench_train.py's job).
+compound, grows, but stays inside the seed-to-seed differences. 2026-11-24 on B (dataset
+1.2.0, the default run with its cooldown), over the last 100 steps: mean |d| / loss 0.7-1.9%
+for bf16 - f32 against 2.2-4.8% for the seed pairs, the largest single step 1.9-6.0% against
+7.9-10.7%; no run had a loss spike; test exact match 100% in all six runs. (Before the
+cooldown, runs had occasional spikes; they come with particular batches, so both dtypes of a
+seed mostly spiked at the same step, but one pair, f32 at step 145 and bf16 at 205, showed a
+112% single-step gap against 62-83% between seeds, while its mean gap, 11.8%, was within
+the seeds' 3.3-14.8%.) Wall time on this CPU is about the same for both (the tiny model is
+dominated by overheads; bf16 speed is bench_train.py's job).
 
 Reported per run: the training loss at the last step, the steps with a loss spike, the
 final validation/test metrics of `TrainResult` (loss, token accuracy, BLEU, chrF, exact
