@@ -72,17 +72,21 @@ WINDOW = 100  # the last steps over which the curves are compared
 DTYPES = ("float32", "bfloat16")
 
 
+def run_name(dtype: str, seed: int) -> str:
+  return f"{dtype}_s{seed}"
+
+
 def run_names(seeds: int) -> dict[str, list[str]]:
   """name -> overrides on top of the default experiment: each dtype with seeds 0..seeds-1."""
-  return {f"{dtype}_s{seed}": [f"model.dtype={dtype}", f"train.seed={seed}"]
+  return {run_name(dtype, seed): [f"model.dtype={dtype}", f"train.seed={seed}"]
           for seed in range(seeds) for dtype in DTYPES}
 
 
 def pairs(seeds: int) -> dict[str, list[tuple[str, str]]]:
   """The differences compared: the dtype's (bf16 - f32 at each seed: same initialisation,
   same batches) and the noise reference's (seed t - seed s within each dtype)."""
-  return {"dtype": [(f"float32_s{s}", f"bfloat16_s{s}") for s in range(seeds)],
-          "seed": [(f"{d}_s{s}", f"{d}_s{t}") for d in DTYPES
+  return {"dtype": [(run_name("float32", s), run_name("bfloat16", s)) for s in range(seeds)],
+          "seed": [(run_name(d, s), run_name(d, t)) for d in DTYPES
                    for s in range(seeds) for t in range(s + 1, seeds)]}
 
 
@@ -212,20 +216,20 @@ def _label(pair: tuple[str, str]) -> str:
   return f"{b} - {a}"
 
 
-def plot(runs: dict, comps: dict, pairs_by_kind: dict, path: str, title: str):
+def plot(runs: dict, seeds: int, comps: dict, pairs_by_kind: dict, path: str, title: str):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), sharex=True,
                                       gridspec_kw=dict(height_ratios=[3, 2, 2]))
   blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
-  seeds = sorted({int(n.rsplit("_s", 1)[1]) for n in runs})
-  for name, r in runs.items():
-    dtype, seed = name.rsplit("_s", 1)
-    shade = 0.85 - 0.4 * seeds.index(int(seed)) / max(len(seeds) - 1, 1)
-    ax1.plot(r["steps"], r["loss"], lw=1.1, ls="-" if dtype == "float32" else "--",
-             color=(blues if dtype == "float32" else oranges)(shade),
-             label=f"{dtype} (seed {seed})")
+  for seed in range(seeds):
+    for dtype in DTYPES:
+      r = runs[run_name(dtype, seed)]
+      shade = 0.85 - 0.4 * seed / max(seeds - 1, 1)
+      ax1.plot(r["steps"], r["loss"], lw=1.1, ls="-" if dtype == "float32" else "--",
+               color=(blues if dtype == "float32" else oranges)(shade),
+               label=f"{dtype} (seed {seed})")
   ax1.set_yscale("log")
   ax1.set_ylabel("training loss (per step, label-smoothed)")
   ax1.grid(True, which="both", alpha=0.3)
@@ -344,7 +348,7 @@ def main(argv=None):
 
   import jax
   import numpy as np
-  steps = runs["float32_s0"]["step"]
+  steps = runs[run_name("float32", 0)]["step"]
   window = comps[pairs_by_kind["dtype"][0]]["window"]
   eval_note = ("whole splits" if args.eval_examples == 0
                else f"first {args.eval_examples} examples per split")
@@ -363,8 +367,8 @@ def main(argv=None):
           f"{t.get('exact_match', float('nan')):10.4f} {t.get('accuracy', float('nan')):8.4f} "
           f"{r['train_seconds']:7.0f} {r['wall_s']:6.0f}  {r['spikes'] or '-'}")
   for dtype in DTYPES:
-    exact = [r["test_metrics"].get("exact_match", float("nan"))
-             for n, r in runs.items() if n.startswith(dtype + "_")]
+    exact = [runs[run_name(dtype, seed)]["test_metrics"].get("exact_match", float("nan"))
+             for seed in range(args.seeds)]
     print(f"{dtype}: test exact match mean {np.mean(exact):.4f}, min {min(exact):.4f}")
   head = (f"{'difference':26s} {'steps':>9s} {'max |d|/loss':>12s} {'mean |d|/loss':>13s} "
           f"{'d of mean loss':>14s}")
@@ -387,7 +391,7 @@ def main(argv=None):
   out = os.path.abspath(args.out)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   png = os.path.splitext(out)[0] + ".png"
-  plot(runs, comps, pairs_by_kind, png, f"numbers experiment, {steps} steps: float32 vs "
+  plot(runs, args.seeds, comps, pairs_by_kind, png, f"numbers experiment, {steps} steps: float32 vs "
        f"bfloat16 (bf16 matmul inputs, f32 accumulation/params), seeds 0-{args.seeds - 1}")
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, device=jax.devices()[0].device_kind,
@@ -398,10 +402,7 @@ def main(argv=None):
               window=WINDOW, data=dict(prep, wall_s=prep_wall), plot=png)
   with open(out, "w") as f:
     json.dump(dict(meta=meta, summary=summary, runs=runs,
-                   differences={_label(p): dict(steps=c["steps"], diff=c["diff"],
-                                                **{k: v for k, v in c.items()
-                                                   if k not in ("steps", "diff")})
-                                for p, c in comps.items()}), f, indent=1)
+                   differences={_label(p): c for p, c in comps.items()}), f, indent=1)
   print(f"wrote {out} and {png}")
 
 

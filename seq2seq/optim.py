@@ -11,8 +11,10 @@ def warmup_rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
 
   Linear warm-up for `warmup_steps`, then decay with the inverse square root of the step.
   With `cooldown_steps` > 0 (not in the paper), the last `cooldown_steps` steps up to
-  `total_steps` are also scaled linearly down to 1/cooldown_steps at the last step.
+  `total_steps` (all of them, if fewer) are also scaled linearly down to 1/cooldown_steps at
+  the last step.
   """
+  cooldown_steps = min(cooldown_steps, total_steps)
   def schedule(step):
     step = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)
     lr = scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)

@@ -46,7 +46,7 @@ class NonFiniteLoss(UserError):
 def schedule(cfg: Config) -> Callable:
   t = cfg.train
   return warmup_rsqrt_schedule(cfg.model.d_model, t.warmup_steps, t.learning_rate_scale,
-                               min(t.cooldown_steps, t.steps), t.steps)
+                               t.cooldown_steps, t.steps)
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:
