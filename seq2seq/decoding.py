@@ -222,19 +222,28 @@ def top_k(x_NxV, k: int, chunk: int = 64):
 
 
 def filter_logits(logits_NxV, strategy: Sample):
-  """Temperature, then top-k, then top-p (nucleus): excluded tokens get -inf."""
-  x = logits_NxV / jnp.float32(strategy.temperature)
-  vocab = x.shape[-1]
+  """Temperature, then top-k, then top-p (nucleus): excluded tokens get -inf.
+
+  Exactly `top_k` tokens survive top-k (the lowest id wins a tie for the last place, so
+  top_k=1 is greedy), and the nucleus is the smallest set of tokens, best first and tied
+  ones by id, whose probability reaches `top_p`. The best logit is subtracted before dividing by the temperature, so a tiny
+  temperature cannot overflow to +inf (one below float32's smallest normal acts as it).
+  """
+  x = logits_NxV - jnp.max(logits_NxV, axis=-1, keepdims=True)
+  x = x / jnp.float32(max(strategy.temperature, np.finfo(np.float32).tiny))  # no subnormal
+  n, vocab = x.shape
+  rows_Nx1 = jnp.arange(n)[:, None]
   if 0 < strategy.top_k < vocab:
-    kth = top_k(x, strategy.top_k)[0][..., -1:]
-    x = jnp.where(x < kth, NEG_INF, x)
+    _, idx_Nxk = top_k(x, strategy.top_k)
+    keep = jnp.zeros(x.shape, bool).at[rows_Nx1, idx_Nxk].set(True)
+    x = jnp.where(keep, x, NEG_INF)
   if strategy.top_p < 1.0:
-    sorted_x = -jnp.sort(-x, axis=-1)                       # descending
-    probs = jax.nn.softmax(sorted_x, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs             # mass of strictly better tokens
+    order_NxV = jnp.argsort(-x, axis=-1, stable=True)     # best first, ties by token id
+    probs = jax.nn.softmax(jnp.take_along_axis(x, order_NxV, axis=-1), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs             # mass of the better-ranked tokens
     n_keep = jnp.maximum(jnp.sum(before < strategy.top_p, axis=-1, keepdims=True), 1)
-    threshold = jnp.take_along_axis(sorted_x, n_keep - 1, axis=-1)
-    x = jnp.where(x < threshold, NEG_INF, x)
+    keep = jnp.zeros(x.shape, bool).at[rows_Nx1, order_NxV].set(jnp.arange(vocab) < n_keep)
+    x = jnp.where(keep, x, NEG_INF)
   return x
 
 

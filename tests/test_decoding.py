@@ -575,7 +575,7 @@ def _np_filter(probs, temperature=1.0, top_k=0, top_p=1.0):
   """The distribution Sample(...) draws from, written out plainly."""
   p = np.where(probs > 0, probs ** (1 / temperature), 0.0)
   p /= p.sum()
-  order = np.argsort(-p)
+  order = np.argsort(-p, kind="stable")                # ties: the lowest id first
   keep = np.zeros(len(p), bool)
   keep[order[:top_k or len(p)]] = True
   p = np.where(keep, p, 0.0) / p[keep].sum()
@@ -598,6 +598,39 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus(strategy, kept):
   want = _np_filter(PROBS, strategy.temperature, strategy.top_k, strategy.top_p)
   np.testing.assert_allclose(np.exp(x - x.max()) / np.exp(x - x.max()).sum(), want[1:],
                              atol=1e-6)
+
+
+TIED = np.array([0.0, 0.1, 0.2, 0.2, 0.25, 0.25])
+
+
+@pytest.mark.parametrize("strategy, kept", [
+    (Sample(top_k=1), [4]),                  # greedy: the first of the tied best
+    (Sample(top_k=3), [2, 4, 5]),            # exactly 3: the first of the tied 0.2s
+    (Sample(top_p=0.2), [4]),                # one 0.25 reaches 0.2
+    (Sample(top_p=0.6), [2, 4, 5]),          # 0.25 + 0.25 < 0.6 <= 0.7
+])
+def test_filter_logits_ranks_ties_by_id(strategy, kept):
+  logits = jnp.log(jnp.asarray(TIED[1:]))
+  x = np.asarray(jax.jit(dec.filter_logits, static_argnums=1)(logits[None], strategy))[0]
+  np.testing.assert_array_equal(np.flatnonzero(np.isfinite(x)) + 1, kept)
+  want = _np_filter(TIED, strategy.temperature, strategy.top_k, strategy.top_p)
+  np.testing.assert_allclose(np.exp(x - x.max()) / np.exp(x - x.max()).sum(), want[1:],
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45])
+def test_a_tiny_temperature_is_greedy(temperature):
+  """logits / T overflows float32 for these T (1e-38 and 1e-45 are subnormal)."""
+  logits = jnp.asarray([[0.5, 2.0, 3.0, -1.0], [7.0, 1.0, 7.0, 6.5]], jnp.float32)
+  x = np.asarray(dec.filter_logits(logits, Sample(temperature=temperature)))
+  assert not np.isnan(x).any()
+  np.testing.assert_array_equal(x.argmax(-1), [2, 0])
+  n = 1000
+  fn = lambda seq, i, s: (jnp.broadcast_to(logits[0], (seq.shape[0], 4)), s)
+  out = dec.sample_search(fn, (), batch_size=n, strategy=Sample(temperature=temperature),
+                          max_len=1, limits_B=jnp.ones((n,), jnp.int32), bos_id=BOS,
+                          eos_id=EOS, pad_id=PAD, rng=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0, 0]), 2)
 
 
 def test_sampling_follows_the_filtered_distribution():
