@@ -215,7 +215,10 @@ def _local_eval_batches(ds, split, batch_size, max_examples):
 
 def evaluate_translations(cfg: Config, params, ds, split: str, max_examples: int = 0,
                           strategy=None) -> tuple[dict, list[tuple[str, str, str]]]:
-  """Decodes a split and scores it: BLEU, chrF and exact match. Returns (metrics, samples)."""
+  """Decodes a split and scores it: BLEU, chrF and exact match. Returns (metrics, samples).
+
+  A source longer than the model's max_len is cut to it, as the loss's batches cut it, and
+  counted in metrics["truncated"]."""
   from seq2seq import decoding
   if strategy is None:
     strategy = (decoding.Beam(size=cfg.train.beam_size, alpha=cfg.train.length_penalty)
@@ -225,10 +228,13 @@ def evaluate_translations(cfg: Config, params, ds, split: str, max_examples: int
     valid = b["valid"]
     srcs += [s for s, v in zip(b["src_text"], valid) if v]
     refs += [t for t, v in zip(b["tgt_text"], valid) if v]
-  hyps = decoding.translate(params, cfg.model, ds.tokenizer, srcs, strategy,
-                            batch_size=cfg.train.eval_batch_size)
+  out = decoding.translate_nbest(params, cfg.model, ds.tokenizer, srcs, strategy,
+                                 batch_size=cfg.train.eval_batch_size, truncate=True,
+                                 skip_empty=False)
+  hyps = [t[0] for t in out.texts]
   m = {"bleu": metrics_lib.bleu(hyps, refs), "chrf": metrics_lib.chrf(hyps, refs),
-       "exact_match": metrics_lib.exact_match(hyps, refs), "examples": len(hyps)}
+       "exact_match": metrics_lib.exact_match(hyps, refs), "examples": len(hyps),
+       "truncated": len(out.truncated)}
   return m, list(zip(srcs, refs, hyps))
 
 
@@ -444,7 +450,9 @@ def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 
   if _is_main():
     lines = [f"[{split} @ {step}] loss {m['loss']:.3f}  acc {m['accuracy']:.3f}  "
              f"BLEU {m['bleu']:.1f}  chrF {m['chrf']:.1f}  exact {m['exact_match']:.3f} "
-             f"({m['examples']} examples)"]
+             f"({m['examples']} examples"
+             + (f", {m['truncated']} sources cut to {cfg.model.max_len} tokens)"
+                if m.get("truncated") else ")")]
     for src, ref, hyp in examples[:samples]:
       lines.append(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
     if bar is not None:

@@ -120,6 +120,24 @@ def test_run_writes_a_complete_workdir(trained):
   assert cfg.model.d_model == 32 and cfg.model.vocab_size == tok.vocab_size
 
 
+def test_eval_cuts_a_source_longer_than_the_model_reads(corpus, tmp_path):
+  """A validation sentence of more than model.max_len tokens is evaluated cut, as the loss
+  batches cut it (it used to stop the run at its first evaluation)."""
+  from num2words import num2words
+  long_src = " ".join(num2words(n) for n in range(300, 330))   # > 64 tokens
+  val = tmp_path / "validation.tsv"
+  val.write_text((corpus / "validation.tsv").read_text() + f"{long_src}\tcourt\n")
+  wd = tmp_path / "w"
+  args = tiny_args(corpus, wd, tmp_path / "tfds", steps=2)
+  args[args.index("--validation_files") + 1] = str(val)
+  run_train(args)
+  rows = [json.loads(l) for l in (wd / "metrics.jsonl").read_text().splitlines()]
+  (v,) = [r for r in rows if r["split"] == "validation"]
+  (t,) = [r for r in rows if r["split"] == "test"]
+  assert (v["examples"], v["truncated"]) == (21, 1)
+  assert (t["examples"], t["truncated"]) == (20, 0)
+
+
 def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
   reference, data_dir = trained
   workdir = tmp_path / "killed"
