@@ -161,6 +161,14 @@ class Config:
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
 
+  def __post_init__(self):
+    # Positions past model.max_len have no row in the sinusoid table (a gather would clamp
+    # them silently); training rows and evaluation batches hold up to max_*_len tokens.
+    for name in ("max_src_len", "max_tgt_len"):
+      v = getattr(self.data, name)
+      _check(v <= self.model.max_len, f"data.{name} ({v}) must be <= model.max_len "
+             f"({self.model.max_len}), the longest sequence the positions cover")
+
   def replace(self, **kw) -> "Config":
     return dataclasses.replace(self, **kw)
 

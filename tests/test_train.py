@@ -245,6 +245,8 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, 
     (["--config.model.num_heads=7"], "divisible by num_heads"),
     (["--config.train.label_smoothing=1.5"], "label_smoothing"),
     (["--config.nosuchsection.x=1"], "unknown section"),
+    (["--config.data.max_tgt_len=65"], "data.max_tgt_len (65) must be <= model.max_len (64)"),
+    (["--config", "base", "--config.model.max_len=128"], "data.max_src_len (256) must be <="),
     (["--dataset", "parallel_text", "--train_files", "/nonexistent/train.tsv"], "/nonexistent"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
