@@ -67,7 +67,8 @@ def main(argv=None) -> int:
   absl.logging.set_verbosity(absl.logging.ERROR)
   from seq2seq import decoding
   from seq2seq.checkpoint import load_workdir
-  from seq2seq.errors import UserError
+  from seq2seq.errors import UserError, one_line_warnings
+  one_line_warnings()
   try:
     strategy = decoding.strategy_from_flags(
         beam_size=args.beam_size, alpha=args.alpha, n_best=args.n_best,

@@ -18,7 +18,7 @@ multi-host: run one process per host with --coordinator_address HOST:PORT
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+  p = argparse.ArgumentParser(description=__doc__.split(";")[0], epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", default="runs/default", help="where everything is written (default: %(default)s)")
   p.add_argument("--config", default=None, help="numbers (default), tiny, small, base or big")
@@ -50,7 +50,8 @@ def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
   import absl.logging  # TFDS and Orbax log through absl: keep their chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
-  from seq2seq.errors import UserError
+  from seq2seq.errors import UserError, one_line_warnings
+  one_line_warnings()
   try:
     from seq2seq import sharding
     sharding.maybe_initialize_distributed(args.coordinator_address, args.num_processes,

@@ -29,6 +29,44 @@ log = logging.getLogger("seq2seq")
 CONFIG_FILE = "config.json"
 VOCAB_FILE = "vocab.model"
 CKPT_DIR = "checkpoints"
+UNREADABLE_DIR = "checkpoints_unreadable"
+
+
+def _first_line(e: Exception) -> str:
+  msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+  return msg.split(". See full TensorStore details")[0][:200]
+
+
+def _is_read_debris(e: BaseException | None) -> bool:
+  """What Orbax's other reads raise in background threads after one read failed."""
+  text = str(e)
+  return ((isinstance(e, RuntimeError) and text == "Event loop is closed")
+          or "Encountered error while reading array index" in text)
+
+
+_QUIETED = False
+
+
+def _quiet_failed_reads() -> None:
+  """When one read of a restore fails, Orbax's other reads go on failing in background
+  threads and each prints a traceback (thousands of lines for one corrupt file), some while
+  the first error is still on its way up. Silence exactly those, from the first restore on."""
+  global _QUIETED
+  if _QUIETED:
+    return
+  _QUIETED = True
+  import sys
+  import threading
+  excepthook, thread_hook, unraisable = sys.excepthook, threading.excepthook, sys.unraisablehook
+  sys.excepthook = lambda t, e, tb: None if _is_read_debris(e) else excepthook(t, e, tb)
+  threading.excepthook = lambda a: None if _is_read_debris(a.exc_value) else thread_hook(a)
+  sys.unraisablehook = lambda u: None if _is_read_debris(u.exc_value) else unraisable(u)
+
+  class _Filter(logging.Filter):
+    def filter(self, record):
+      exc = record.exc_info[1] if record.exc_info else None
+      return not (_is_read_debris(exc) or _is_read_debris(record.getMessage()))
+  logging.getLogger("asyncio").addFilter(_Filter())
 
 
 def config_path(workdir) -> Path:
@@ -82,17 +120,34 @@ class Checkpoints:
     if step is not None and step not in self.steps():
       raise UserError(f"{self.directory}: no checkpoint at step {step} "
                       f"(have: {', '.join(map(str, self.steps())) or 'none'})")
+    _quiet_failed_reads()
     for s in candidates:
       try:
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return restored["state"], restored["meta"]
       except Exception as e:  # a partial or corrupt checkpoint: fall back to the previous one
-        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        msg = _first_line(e)
         if step is not None:
           raise UserError(f"checkpoint {self.directory / str(s)} is unreadable: {msg}") from None
-        warnings.warn(f"skipping unreadable checkpoint {self.directory / str(s)}: {msg}")
+        where = self._move_aside(s)
+        warnings.warn(f"skipping unreadable checkpoint {self.directory / str(s)}"
+                      + (f" (moved to {where})" if where else "") + f": {msg}")
     return None
+
+  def _move_aside(self, step: int) -> Path | None:
+    """A writable run moves an unreadable step out of the manager's sight, so that the run
+    can save that step again; nothing is deleted. Read-only readers leave it in place."""
+    if self.manager._options.read_only or jax.process_index() != 0:
+      return None
+    dest = self.directory.parent / UNREADABLE_DIR / str(step)
+    n = 1
+    while dest.exists():
+      dest, n = self.directory.parent / UNREADABLE_DIR / f"{step}.{n}", n + 1
+    dest.parent.mkdir(exist_ok=True)
+    os.replace(self.directory / str(step), dest)
+    self.manager.reload()
+    return dest
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -199,9 +254,12 @@ def write_averaged_workdir(workdir, output, last: int = 5) -> list[int]:
     raise UserError(f"{output} already holds checkpoints; choose a new --output")
   steps, params = average_checkpoints(workdir, last)
   cfg = read_config(workdir)
-  output.mkdir(parents=True, exist_ok=True)
-  shutil.copyfile(vocab_path(workdir), vocab_path(output))
-  write_config(output, cfg)
+  try:
+    output.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(vocab_path(workdir), vocab_path(output))
+    write_config(output, cfg)
+  except OSError as e:
+    raise UserError(f"cannot write {output}: {e.strerror or e}") from None
   from seq2seq import train_lib
   full = train_lib.init_state(cfg, jax.random.key(0))  # optimizer state: fresh (unused by decoding)
   full = full.replace(step=np.asarray(steps[-1], np.int32), params=params)
@@ -225,6 +283,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   import absl.logging  # Orbax logs through absl: keep its chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
+  from seq2seq.errors import one_line_warnings
+  one_line_warnings()
   try:
     if args.last < 1:
       raise UserError(f"--last must be >= 1, got {args.last}")

@@ -573,6 +573,9 @@ def decode(model_or_config: Transformer | TransformerConfig, params, src_BxS,
            f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
     per_row_limit = False
   _check(_is_int(min_len) and min_len >= 0, f"min_len must be an integer >= 0, got {min_len!r}")
+  _check(not isinstance(strategy, Beam) or strategy.size <= cfg.vocab_size,
+         f"beam size {getattr(strategy, 'size', 0)} is larger than the vocabulary "
+         f"({cfg.vocab_size} tokens)")
   _check(not (return_logits and isinstance(strategy, Beam)),
          "return_logits is only available for greedy and sampling")
   out = decode_jit_for(cfg)(
@@ -722,8 +725,8 @@ def strategy_from_flags(*, beam_size: int | None = None, alpha: float | None = N
 
 def read_lines(source) -> list[str]:
   r"""The lines of `source`: a path, or an open binary or text stream (e.g. standard input).
-  Lines split at "\n" only; "\n" / "\r\n" ends and a leading byte-order mark removed;
-  bytes that are not UTF-8 become U+FFFD. A missing or unreadable file raises UserError."""
+  Lines split at "\n" only; "\n" / "\r\n" ends and a leading byte-order mark removed.
+  A missing or unreadable file, or bytes that are not UTF-8, raise UserError."""
   if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
     try:
       with open(source, "rb") as f:
@@ -732,7 +735,17 @@ def read_lines(source) -> list[str]:
       raise UserError(f"cannot read {source}: {e.strerror or e}") from None
   else:
     data = source.read()
-  text = data.decode("utf-8-sig", errors="replace") if isinstance(data, bytes) else data
+  if isinstance(data, bytes):
+    try:
+      text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+      line = data.count(b"\n", 0, e.start) + 1
+      path_like = isinstance(source, (str, bytes)) or hasattr(source, "__fspath__")
+      name = str(source) if path_like else "standard input"
+      raise UserError(f"{name} line {line}: invalid UTF-8 (byte 0x{data[e.start]:02x})"
+                      ) from None
+  else:
+    text = data
   text = text.removeprefix("\ufeff")
   lines = text.split("\n")
   if lines[-1] == "":

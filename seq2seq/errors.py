@@ -3,3 +3,9 @@
 
 class UserError(ValueError):
   """Bad input from the user (flags, files, workdir). Anything else is a bug."""
+
+
+def one_line_warnings() -> None:
+  """Command lines print `warning: ...` on one line instead of Python's two-line format."""
+  import warnings
+  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"

@@ -30,9 +30,20 @@ def maybe_initialize_distributed(coordinator: str = "", num_processes: int = 0,
   num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
   if process_id < 0:
     process_id = int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
+  auto = os.environ.get("SEQ2SEQ_DISTRIBUTED") == "auto"
+  if (num_processes > 1 or process_id >= 0) and not coordinator and not auto:
+    raise UserError("multi-process run: give --coordinator_address HOST:PORT "
+                    "(or JAX_COORDINATOR_ADDRESS)")
+  if coordinator:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise UserError(f"coordinator address must be HOST:PORT, got {coordinator!r}")
+    if num_processes < 1:
+      raise UserError("multi-process run: give --num_processes (or JAX_NUM_PROCESSES)")
+    if not 0 <= process_id < num_processes:
+      raise UserError(f"--process_id must be in [0, {num_processes}) "
+                      f"(or JAX_PROCESS_ID), got {process_id}")
   if coordinator and num_processes > 1:
-    if process_id < 0:
-      raise UserError("multi-process run: give --process_id (or JAX_PROCESS_ID)")
     # CPU processes talk through gloo (only the CPU client reads this flag).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,

@@ -222,6 +222,7 @@ def test_translate_keeps_input_order_and_matches_decode(params):
     (dict(max_len=65), "max_len must be in"),
     (dict(strategy=Beam(), return_logits=True), "return_logits"),
     (dict(strategy="beam"), "strategy must be"),
+    (dict(strategy=Beam(size=V + 1)), rf"beam size {V + 1} is larger than the vocabulary \({V} "),
 ])
 def test_bad_decode_arguments_are_user_errors(params, kw, msg):
   args = dict(src=np.full((1, 4), 5), strategy=Greedy(), bos_id=BOS, eos_id=2)
@@ -330,10 +331,16 @@ def test_strategy_from_flags(flags, want):
 def test_read_lines(tmp_path):
   import io
   path = tmp_path / "in.txt"
-  path.write_bytes(b"\xef\xbb\xbfone\r\n\ntwo\xff\xe2\x80\xa8three\rfour\n")
-  want = ["one", "", "two\ufffd\u2028three\rfour"]   # split at "\n" only
+  path.write_bytes(b"\xef\xbb\xbfone\r\n\ntwo\xe2\x80\xa8three\rfour\n")
+  want = ["one", "", "two\u2028three\rfour"]   # split at "\n" only
   assert dec.read_lines(path) == dec.read_lines(str(path)) == want
   assert dec.read_lines(io.BytesIO(path.read_bytes())) == want
+  latin1 = tmp_path / "latin1.txt"                       # as training refuses it, with the line
+  latin1.write_bytes(b"one\ntwo\ncaf\xe9\n")
+  with pytest.raises(UserError, match=r"latin1.txt line 3: invalid UTF-8 \(byte 0xe9\)"):
+    dec.read_lines(latin1)
+  with pytest.raises(UserError, match=r"^standard input line 1: invalid UTF-8 \(byte 0xff\)"):
+    dec.read_lines(io.BytesIO(b"\xff\n"))
   assert dec.read_lines(io.StringIO("a\nb")) == ["a", "b"]
   assert dec.read_lines(io.BytesIO(b"")) == []
   with pytest.raises(UserError, match="cannot read .*nope.txt: No such file"):

@@ -187,11 +187,21 @@ def test_broken_latest_checkpoint_falls_back_with_warning(trained, tmp_path):
   for f in ckdir.rglob("*"):
     if f.is_file():
       f.write_bytes(b"garbage")
-  with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*30"):
-    restored = ckpt_lib.Checkpoints(workdir).restore(ckpt_lib.abstract_state(
-        ckpt_lib.read_config(workdir)))
-  _, meta = restored
-  assert meta["step"] == 20
+  before = tree_hash(workdir / "checkpoints" / "30")
+  abstract = ckpt_lib.abstract_state(ckpt_lib.read_config(workdir))
+  reader = ckpt_lib.Checkpoints(workdir, read_only=True)     # decode.py: skips, moves nothing
+  with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*30: "):
+    assert reader.restore(abstract)[1]["step"] == 20
+  assert reader.steps() == [10, 20, 30]
+  ckpts = ckpt_lib.Checkpoints(workdir)                      # a resuming run: moves it aside
+  with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*30 .moved to "
+                    ".*checkpoints_unreadable/30.: "):
+    state, meta = ckpts.restore(abstract)
+  assert meta["step"] == 20 and ckpts.steps() == [10, 20]
+  assert tree_hash(workdir / "checkpoints_unreadable" / "30") == before   # kept, not deleted
+  ckpts.save(30, state, meta)         # the run can write step 30 again (it used to fail here)
+  ckpts.close()
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
 
 
 def test_average_checkpoints(trained):
@@ -217,6 +227,37 @@ def test_averaged_workdir_decodes_with_mean_parameters(trained, tmp_path):
   before = tree_hash(workdir)
   assert ckpt_lib.main(["average", "--workdir", str(workdir), "--output", str(out)]) == 2
   assert tree_hash(workdir) == before
+
+
+def test_average_reports_bad_output_and_broken_checkpoints_in_one_line(trained, tmp_path,
+                                                                        capfd):
+  from seq2seq import train_lib
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  assert ckpt_lib.main(["average", "--workdir", str(trained[0]), "--output", str(a_file)]) == 2
+  assert capfd.readouterr().err == f"error: cannot write {a_file}: File exists\n"
+  # A model with enough arrays that Orbax's other reads are still in flight when one fails.
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  cfg = get_experiment("numbers")
+  cfg = cfg.replace(model=cfg.model.replace(vocab_size=368))
+  ckpt_lib.write_config(workdir, cfg)
+  ckpts = ckpt_lib.Checkpoints(workdir, async_save=False)
+  state = train_lib.init_state(cfg, jax.random.key(0))
+  for step in (10, 20):
+    ckpts.save(step, state, {"step": step})
+  ckpts.close()
+  data = workdir / "checkpoints" / "20" / "state" / "ocdbt.process_0" / "d"
+  biggest = max(data.iterdir(), key=lambda f: f.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[:1000])       # truncated, as by a full disk
+  # A real process: pytest's own hooks would catch the tracebacks of Orbax's failing reads.
+  p = subprocess.run([sys.executable, "-m", "seq2seq.checkpoint", "average", "--workdir",
+                      str(workdir), "--output", str(tmp_path / "avg")], cwd=str(ROOT),
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2
+  assert p.stderr.startswith(f"error: checkpoint {workdir}/checkpoints/20 is unreadable: "), (
+      p.stderr[:3000])
+  assert len(p.stderr.splitlines()) == 1, p.stderr[:3000]
 
 
 def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, tmp_path):
@@ -248,6 +289,11 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, 
     (["--config.data.max_tgt_len=65"], "data.max_tgt_len (65) must be <= model.max_len (64)"),
     (["--config", "base", "--config.model.max_len=128"], "data.max_src_len (256) must be <="),
     (["--dataset", "parallel_text", "--train_files", "/nonexistent/train.tsv"], "/nonexistent"),
+    (["--coordinator_address", "bad", "--num_processes", "2", "--process_id", "0"],
+     "coordinator address must be HOST:PORT, got 'bad'"),
+    (["--num_processes", "2", "--process_id", "1"], "give --coordinator_address HOST:PORT"),
+    (["--coordinator_address", "localhost:1234", "--num_processes", "2", "--process_id", "5"],
+     "--process_id must be in [0, 2)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
   code = train_script.main(["--workdir", str(tmp_path / "w"), "--no_progress", *argv])
