@@ -77,4 +77,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  if code == 130:  # Ctrl-C: everything is saved; skip the interpreter's teardown, which can
+    sys.stdout.flush()  # crash while XLA's and the input pipeline's threads still run
+    sys.stderr.flush()
+    import os
+    os._exit(code)
+  sys.exit(code)

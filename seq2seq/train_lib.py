@@ -358,10 +358,18 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
     start = int(meta["step"])
     _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
 
+  # SIGTERM (preemption) and a first Ctrl-C stop the run after the current step with a
+  # checkpoint; a second Ctrl-C interrupts at once.
   stop = {"signal": None}
-  old_handler = None
+
+  def on_signal(signum, frame):
+    stop.update(signal=signum)
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+
+  old_handlers = {}
   if threading.current_thread() is threading.main_thread():
-    old_handler = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
   batches = _Prefetch(iter(ds.train_batches(start)))
   sched = schedule(cfg)
@@ -382,11 +390,17 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   def save(step):
     ckpts.save(step, state, {"step": step, "data_position": step, "seed": tc.seed})
 
+  prev_m = None
   try:
     while step < tc.steps:
       local = next(batches)
       state, m = trainer.step(state, trainer.global_batch(local))
       step += 1
+      if bar is not None and prev_m is not None:  # the bar moves as steps finish, one step
+        jax.block_until_ready(prev_m)             # behind, so one is always queued
+        if bar.n < step - 1:
+          bar.update(step - 1 - bar.n)
+      prev_m = m
       acc = _accumulate(acc, m)
       last = step == tc.steps
       if step % tc.log_every == 0 or last or stop["signal"] or step % tc.checkpoint_every == 0:
@@ -412,7 +426,8 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
       if step % tc.checkpoint_every == 0 or last or stop["signal"]:
         save(step)
       if stop["signal"]:
-        _print(f"\nSIGTERM at step {step}: checkpoint saved, exiting")
+        _print(f"\n{signal.Signals(stop['signal']).name} at step {step}: checkpoint saved, "
+               f"exiting (run the same command to resume)")
         stopped_early = True
         break
       if step == _DEBUG_SIGKILL_AT:  # tests: die as a preempted machine would, once the
@@ -431,8 +446,10 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
       bar.close()
     ckpts.close()
     writer.close()
-    if old_handler is not None:
-      signal.signal(signal.SIGTERM, old_handler)
+    for signum, handler in old_handlers.items():
+      signal.signal(signum, handler)
+  if stop["signal"] == signal.SIGINT:
+    raise KeyboardInterrupt  # after the checkpoint: the caller reports the interruption
   return TrainResult(step=step, workdir=str(workdir), train_metrics=train_metrics,
                      eval_metrics=eval_metrics, test_metrics=test_metrics,
                      seconds=time.time() - t_start, stopped_early=stopped_early)

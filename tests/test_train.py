@@ -152,7 +152,10 @@ def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
     np.testing.assert_array_equal(x, y)
 
 
-def test_sigterm_saves_and_exits_cleanly(corpus, trained, tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_save_and_exit_cleanly(corpus, trained, tmp_path, signum, code):
+  """SIGTERM (preemption) and Ctrl-C save a checkpoint at the step they arrive in; Ctrl-C
+  then exits 130 as an interrupted program does."""
   _, data_dir = trained
   workdir = tmp_path / "term"
   args = tiny_args(corpus, workdir, data_dir, steps=100000)
@@ -166,16 +169,18 @@ def test_sigterm_saves_and_exits_cleanly(corpus, trained, tmp_path):
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
       assert proc.poll() is None, proc.stderr.read()[-2000:]
       time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
   finally:
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-  assert proc.returncode == 0, err[-2000:]
-  assert "SIGTERM" in err
+  assert proc.returncode == code, err[-2000:]
+  said = [l for l in err.splitlines() if f"{signum.name} at step " in l]
+  assert said and "checkpoint saved" in said[0], err[-2000:]
+  at = int(said[0].split(" at step ")[1].split(":")[0])
   steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
-  assert steps and 0 < steps[-1] < 100000
+  assert steps[-1] == at and 0 < at < 100000   # saved at the step the signal came in
   cfg, params, _ = ckpt_lib.load_workdir(workdir)  # the saved state reads back
 
 
