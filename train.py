@@ -61,6 +61,8 @@ def main(argv=None) -> int:
                                        "test_files", "src_lang", "tgt_lang", "reverse")
              if (v := getattr(args, k)) is not None]
     if args.steps is not None:
+      if any(o.split("=")[0] in ("train.steps", "steps") for o in overrides):
+        raise UserError("give --steps or --config.train.steps, not both")
       items.append(f"train.steps={args.steps}")
     cfg = train_lib.resolve_config(args.workdir, args.config, items + overrides)
     result = train_lib.train(cfg, args.workdir, progress=not args.no_progress)

@@ -375,7 +375,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   sched = schedule(cfg)
   n_dev = trainer.data_parallel
   _print(f"training {cfg.model.d_model}-d {cfg.model.num_encoder_layers}+"
-         f"{cfg.model.num_decoder_layers}-layer model on {ds.num_examples('train'):,} pairs, "
+         f"{cfg.model.num_decoder_layers}-layer model on {_train_pairs(ds):,} pairs, "
          f"{n_dev} device(s) ({jax.devices()[0].platform}), steps {start}->{tc.steps}")
   bar = None
   if progress and _is_main():
@@ -453,6 +453,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   return TrainResult(step=step, workdir=str(workdir), train_metrics=train_metrics,
                      eval_metrics=eval_metrics, test_metrics=test_metrics,
                      seconds=time.time() - t_start, stopped_early=stopped_early)
+
+
+def _train_pairs(ds) -> int:
+  """Training pairs the run reads: those kept by the length policy (on one host)."""
+  kept = getattr(ds, "stats", {}).get("kept")
+  return kept if kept is not None and jax.process_count() == 1 else ds.num_examples("train")
 
 
 def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 3,

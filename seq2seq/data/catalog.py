@@ -73,10 +73,14 @@ def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
   the builder fetches files (check first that the network is reachable at all)."""
   if builder.is_prepared():
     return
-  where = (f"TFDS dataset {builder.info.full_name!r} is not prepared in {builder.data_dir} "
-           f"and could not be downloaded")
-  hint = ("prepare it on a machine with internet access and point --config.data.data_dir at "
-          "it")
+  if downloads:
+    where = (f"TFDS dataset {builder.info.full_name!r} is not prepared in {builder.data_dir} "
+             f"and could not be downloaded")
+    hint = ("prepare it on a machine with internet access and point --config.data.data_dir "
+            "at it")
+  else:  # built from local files: nothing to download, so the directory is the problem
+    where = f"could not build TFDS dataset {builder.info.full_name!r} in {builder.data_dir}"
+    hint = "check that --data_dir (TFDS_DATA_DIR) is a writable directory"
   reason = _offline_reason() if downloads else ""
   if reason:
     raise UserError(f"{where} ({reason}); {hint}")
