@@ -327,7 +327,9 @@ def summary(r: "TrainResult") -> str:
   lines = [f"trained to step {r.step} in {r.seconds:.0f} s; workdir {r.workdir}"]
   for split, m in (("validation", r.eval_metrics), ("test", r.test_metrics)):
     if m:
-      lines.append(f"{split}: loss {m['loss']:.3f}, token accuracy {m['accuracy']:.4f}, "
+      stale = m.get("step", r.step) != r.step
+      at = f" (at step {m['step']}, the last evaluation)" if stale else ""
+      lines.append(f"{split}{at}: loss {m['loss']:.3f}, token accuracy {m['accuracy']:.4f}, "
                    f"BLEU {m['bleu']:.1f}, chrF {m['chrf']:.1f}, exact match "
                    f"{m['exact_match']:.4f} on {m['examples']} examples")
   lines.append(f"translate with: python decode.py --workdir {r.workdir} \"sentence\"")
@@ -482,4 +484,4 @@ def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 
       bar.write("\n".join(lines), file=sys.stderr)
     else:
       _print("\n".join(lines))
-  return m
+  return dict(m, step=step)

@@ -1,5 +1,6 @@
 """train.py and train_lib: sharded step equivalence, exact resume after SIGKILL, SIGTERM,
 broken checkpoints, non-finite loss, bad input, and a real 2-process run."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -384,3 +385,14 @@ def test_two_processes_agree_with_one(corpus, trained, tmp_path):
   for x, y in zip(jax.tree_util.tree_leaves(params_of(one)),
                   jax.tree_util.tree_leaves(params_of(two))):
     np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_summary_names_the_step_of_stale_metrics():
+  from seq2seq import train_lib
+  m = dict(loss=1.0, accuracy=0.5, bleu=10.0, chrf=30.0, exact_match=0.25, examples=8)
+  r = train_lib.TrainResult(step=120, workdir="w", train_metrics={},
+                            eval_metrics=dict(m, step=100), test_metrics={}, seconds=1.0,
+                            stopped_early=True)
+  assert "validation (at step 100, the last evaluation): loss 1.000" in train_lib.summary(r)
+  r = dataclasses.replace(r, eval_metrics=dict(m, step=120))
+  assert "validation: loss 1.000" in train_lib.summary(r)
