@@ -591,36 +591,26 @@ def _np_filter(probs, temperature=1.0, top_k=0, top_p=1.0):
   return np.where(keep, p, 0.0) / p[keep].sum()
 
 
-@pytest.mark.parametrize("strategy, kept", [
-    (Sample(), [1, 2, 3, 4, 5]),
-    (Sample(top_k=2), [4, 5]),
-    (Sample(top_p=0.65), [4, 5]),            # 0.4 + 0.3 reaches 0.65
-    (Sample(top_p=0.75), [3, 4, 5]),         # 0.4 + 0.3 does not reach 0.75
-    (Sample(temperature=0.5, top_k=4, top_p=0.9), [3, 4, 5]),  # 0.57 + 0.32 < 0.9
-])
-def test_filter_logits_keeps_the_top_k_and_the_nucleus(strategy, kept):
-  logits = jnp.log(jnp.asarray(PROBS[1:]))
-  x = np.asarray(jax.jit(dec.filter_logits, static_argnums=1)(logits[None], strategy))[0]
-  np.testing.assert_array_equal(np.flatnonzero(np.isfinite(x)) + 1, kept)
-  want = _np_filter(PROBS, strategy.temperature, strategy.top_k, strategy.top_p)
-  np.testing.assert_allclose(np.exp(x - x.max()) / np.exp(x - x.max()).sum(), want[1:],
-                             atol=1e-6)
-
-
 TIED = np.array([0.0, 0.1, 0.2, 0.2, 0.25, 0.25])
 
 
-@pytest.mark.parametrize("strategy, kept", [
-    (Sample(top_k=1), [4]),                  # greedy: the first of the tied best
-    (Sample(top_k=3), [2, 4, 5]),            # exactly 3: the first of the tied 0.2s
-    (Sample(top_p=0.2), [4]),                # one 0.25 reaches 0.2
-    (Sample(top_p=0.6), [2, 4, 5]),          # 0.25 + 0.25 < 0.6 <= 0.7
+@pytest.mark.parametrize("probs, strategy, kept", [
+    (PROBS, Sample(), [1, 2, 3, 4, 5]),
+    (PROBS, Sample(top_k=2), [4, 5]),
+    (PROBS, Sample(top_p=0.65), [4, 5]),            # 0.4 + 0.3 reaches 0.65
+    (PROBS, Sample(top_p=0.75), [3, 4, 5]),         # 0.4 + 0.3 does not reach 0.75
+    (PROBS, Sample(temperature=0.5, top_k=4, top_p=0.9), [3, 4, 5]),  # 0.57 + 0.32 < 0.9
+    # ties are ranked by id
+    (TIED, Sample(top_k=1), [4]),                   # greedy: the first of the tied best
+    (TIED, Sample(top_k=3), [2, 4, 5]),             # exactly 3: the first of the tied 0.2s
+    (TIED, Sample(top_p=0.2), [4]),                 # one 0.25 reaches 0.2
+    (TIED, Sample(top_p=0.6), [2, 4, 5]),           # 0.25 + 0.25 < 0.6 <= 0.7
 ])
-def test_filter_logits_ranks_ties_by_id(strategy, kept):
-  logits = jnp.log(jnp.asarray(TIED[1:]))
+def test_filter_logits_keeps_the_top_k_and_the_nucleus(probs, strategy, kept):
+  logits = jnp.log(jnp.asarray(probs[1:]))
   x = np.asarray(jax.jit(dec.filter_logits, static_argnums=1)(logits[None], strategy))[0]
   np.testing.assert_array_equal(np.flatnonzero(np.isfinite(x)) + 1, kept)
-  want = _np_filter(TIED, strategy.temperature, strategy.top_k, strategy.top_p)
+  want = _np_filter(probs, strategy.temperature, strategy.top_k, strategy.top_p)
   np.testing.assert_allclose(np.exp(x - x.max()) / np.exp(x - x.max()).sum(), want[1:],
                              atol=1e-6)
 
