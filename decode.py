@@ -44,7 +44,8 @@ def parse_args(argv):
   p.add_argument("--n-best", type=int, default=None, metavar="N",
                  help="print the N best hypotheses with their scores (beam search)")
   p.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
-  p.add_argument("--top-k", type=int, default=None, help="sample from the k most probable tokens (0 = no limit)")
+  p.add_argument("--top-k", type=int, default=None,
+                 help="sample from the k most probable tokens (0 = no limit)")
   p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
   p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
   p.add_argument("--max-len", type=int, default=None, help="output length limit (default: "

@@ -101,6 +101,7 @@ class Checkpoints:
 
   def __init__(self, workdir, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = (Path(workdir) / CKPT_DIR).absolute()
+    self.read_only = read_only
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=async_save)
@@ -138,7 +139,7 @@ class Checkpoints:
   def _move_aside(self, step: int) -> Path | None:
     """A writable run moves an unreadable step out of the manager's sight, so that the run
     can save that step again; nothing is deleted. Read-only readers leave it in place."""
-    if self.manager._options.read_only or jax.process_index() != 0:
+    if self.read_only or jax.process_index() != 0:
       return None
     dest = self.directory.parent / UNREADABLE_DIR / str(step)
     n = 1

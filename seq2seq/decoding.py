@@ -226,8 +226,9 @@ def filter_logits(logits_NxV, strategy: Sample):
 
   Exactly `top_k` tokens survive top-k (the lowest id wins a tie for the last place, so
   top_k=1 is greedy), and the nucleus is the smallest set of tokens, best first and tied
-  ones by id, whose probability reaches `top_p`. The best logit is subtracted before dividing by the temperature, so a tiny
-  temperature cannot overflow to +inf (one below float32's smallest normal acts as it).
+  ones by id, whose probability reaches `top_p`. The best logit is subtracted before
+  dividing by the temperature, so a tiny temperature cannot overflow to +inf (one below
+  float32's smallest normal acts as it).
   """
   x = logits_NxV - jnp.max(logits_NxV, axis=-1, keepdims=True)
   x = x / jnp.float32(max(strategy.temperature, np.finfo(np.float32).tiny))  # no subnormal
