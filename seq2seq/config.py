@@ -93,7 +93,8 @@ class DataConfig:
   def __post_init__(self):
     _check(self.length_policy in ("drop", "truncate"),
            f"length_policy must be 'drop' or 'truncate', got {self.length_policy!r}")
-    _check(self.vocab_size > 4, f"vocab_size must be > 4, got {self.vocab_size}")
+    _check(self.vocab_size >= 4 + 256 + 2, f"vocab_size {self.vocab_size} is too small: byte "
+           f"fallback alone needs 260 ids plus a few pieces")
     _check(self.max_src_len > 1 and self.max_tgt_len > 1, "max_src_len/max_tgt_len must be > 1")
     _check(0.0 < self.character_coverage <= 1.0,
            f"character_coverage must be in (0, 1], got {self.character_coverage}")
@@ -142,6 +143,12 @@ class TrainConfig:
     _check(0.0 <= self.label_smoothing < 1.0,
            f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
     _check(self.learning_rate_scale > 0, "learning_rate_scale must be > 0")
+    for name in ("adam_b1", "adam_b2"):
+      _check(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got "
+             f"{getattr(self, name)}")
+    _check(self.adam_eps > 0, f"adam_eps must be > 0, got {self.adam_eps}")
+    for name in ("weight_decay", "clip_grad_norm"):
+      _check(getattr(self, name) >= 0, f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
     _check(isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0,
            f"cooldown_steps must be an integer >= 0, got {self.cooldown_steps!r}")
     _check(self.decode_strategy in ("greedy", "beam"),
