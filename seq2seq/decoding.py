@@ -728,7 +728,9 @@ def read_lines(source) -> list[str]:
   r"""The lines of `source`: a path, or an open binary or text stream (e.g. standard input).
   Lines split at "\n" only; "\n" / "\r\n" ends and a leading byte-order mark removed.
   A missing or unreadable file, or bytes that are not UTF-8, raise UserError."""
+  name = "standard input"
   if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+    name = str(source)
     try:
       with open(source, "rb") as f:
         data = f.read()
@@ -741,8 +743,6 @@ def read_lines(source) -> list[str]:
       text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
       line = data.count(b"\n", 0, e.start) + 1
-      path_like = isinstance(source, (str, bytes)) or hasattr(source, "__fspath__")
-      name = str(source) if path_like else "standard input"
       raise UserError(f"{name} line {line}: invalid UTF-8 (byte 0x{data[e.start]:02x})"
                       ) from None
   else:

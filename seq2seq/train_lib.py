@@ -459,8 +459,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
 
 def _train_pairs(ds) -> int:
   """Training pairs the run reads: those kept by the length policy (on one host)."""
-  kept = getattr(ds, "stats", {}).get("kept")
-  return kept if kept is not None and jax.process_count() == 1 else ds.num_examples("train")
+  return ds.stats["kept"] if jax.process_count() == 1 else ds.num_examples("train")
 
 
 def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 3,
