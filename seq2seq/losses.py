@@ -6,6 +6,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from seq2seq.layers import dot_nt, dot_tn
+
 
 def shift_right(tgt_BxT: jax.Array, bos_id: int, segments_BxT: jax.Array | None = None):
   """Teacher forcing: the decoder input is the target shifted right behind BOS.
@@ -106,11 +108,11 @@ def _head_bwd(label_smoothing, dtype, w_is_VxD, res, g):
   d_NxV = ((p_NxV - q_NxV) * (g[0] * weights_N)[:, None]).astype(dtype)
   w_c, y_c = w.astype(dtype), y_NxD.astype(dtype)
   if w_is_VxD:
-    dy = jnp.einsum("nv,vd->nd", d_NxV, w_c, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("nd,nv->dv", y_c, d_NxV, preferred_element_type=jnp.float32).T
+    dy = jnp.dot(d_NxV, w_c, preferred_element_type=jnp.float32)
+    dw = dot_tn(d_NxV, y_c)
   else:
-    dy = jnp.einsum("nv,dv->nd", d_NxV, w_c, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("nd,nv->dv", y_c, d_NxV, preferred_element_type=jnp.float32)
+    dy = dot_nt(d_NxV, w_c)
+    dw = dot_tn(y_c, d_NxV)
   db = None if b_V is None else jnp.sum(d_NxV.astype(jnp.float32), axis=0).astype(b_V.dtype)
   return dy.astype(y_NxD.dtype), dw.astype(w.dtype), db, None, None
 

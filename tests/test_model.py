@@ -327,6 +327,26 @@ def test_mixed_precision_matmul_gradients_use_compute_dtype():
   assert float(jnp.abs(dx - vjp(g)[0]).max()) > 1e-3
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,k,n", [(64, 24, 40), (64, 40, 24)])
+def test_jitted_matmul_gradients_match_numpy_for_either_transpose(dtype, m, k, n):
+  """The weight gradient transposes whichever of x and g is smaller into a row-major copy
+  (k < n: x, k > n: g); both ways, jitted (where the layout constraint acts), give
+  xᵀ·g, and g·Wᵀ for the input gradient."""
+  from seq2seq.layers import dot_nt, dot_tn, matmul
+  ks = jax.random.split(jax.random.key(1), 3)
+  x, w, g = (jax.random.normal(kk, s) for kk, s in zip(ks, [(m, k), (k, n), (m, n)]))
+  r = lambda a: np.asarray(a.astype(dtype).astype(jnp.float32), np.float64)
+  dx, dw = jax.jit(lambda x, w, g: jax.vjp(lambda x, w: matmul(x, w, dtype), x, w)[1](g))(
+      x, w, g)
+  np.testing.assert_allclose(dx, r(g) @ r(w).T, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(dw, r(x).T @ r(g), rtol=1e-5, atol=1e-4)
+  a, b = x.astype(dtype), g.astype(dtype)
+  np.testing.assert_allclose(jax.jit(dot_tn)(a, b), r(x).T @ r(g), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(jax.jit(dot_tn)(b, a), r(g).T @ r(x), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(jax.jit(dot_nt)(b, w.astype(dtype)), r(g) @ r(w).T,
+                             rtol=1e-5, atol=1e-4)
+
 def test_dropout_mask_rate_independence_and_keys():
   from seq2seq.layers import Dropout, dropout_keep_mask
   shape = (64, 128, 32)
