@@ -15,9 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Layout, with_layout_constraint
 
-from seq2seq.attention import dot_product_attention
+from seq2seq.attention import dot_product_attention, row_major
 from seq2seq.config import TransformerConfig
 
 
@@ -41,16 +40,6 @@ def add_positions(x_BxLxD: jax.Array, max_len: int, positions_BxL: jax.Array | N
   return x_BxLxD + jnp.asarray(sinusoidal_positions(max_len, d))[positions_BxL]
 
 
-def _row_major(a: jax.Array) -> jax.Array:
-  """`a` stored row-major. A transpose feeding a dot is otherwise kept as a strided view,
-  and XLA's CPU backend then runs that dot in float32 through Eigen instead of its fast
-  (YNNPACK) kernels: 2x slower in bf16 (bench/bench_matmul_layouts.py). Other backends
-  pick their own layouts."""
-  if jax.default_backend() != "cpu" or a.ndim != 2 or not isinstance(a, jax.core.Tracer):
-    return a          # (eager arrays are already row-major)
-  return with_layout_constraint(a, Layout((0, 1)))
-
-
 def dot_nt(a_MxN: jax.Array, b_KxN: jax.Array) -> jax.Array:
   """a·bᵀ [M, K], float32 accumulation: the input gradient g·Wᵀ of y = x·W, contracting
   the last axes directly (no transposed copy of b)."""
@@ -61,10 +50,10 @@ def dot_nt(a_MxN: jax.Array, b_KxN: jax.Array) -> jax.Array:
 def dot_tn(a_MxK: jax.Array, b_MxN: jax.Array) -> jax.Array:
   """aᵀ·b [K, N], float32 accumulation: the weight gradient xᵀ·g of y = x·W, contracting
   the rows. The smaller operand is transposed into a row-major copy first (see
-  `_row_major`); with b the smaller one this is (bᵀ·a)ᵀ."""
+  `attention.row_major`); with b the smaller one this is (bᵀ·a)ᵀ."""
   if a_MxK.size <= b_MxN.size:
-    return jnp.dot(_row_major(a_MxK.T), b_MxN, preferred_element_type=jnp.float32)
-  return _row_major(jnp.dot(_row_major(b_MxN.T), a_MxK, preferred_element_type=jnp.float32)).T
+    return jnp.dot(row_major(a_MxK.T), b_MxN, preferred_element_type=jnp.float32)
+  return row_major(jnp.dot(row_major(b_MxN.T), a_MxK, preferred_element_type=jnp.float32)).T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
