@@ -27,7 +27,7 @@ from seq2seq import metrics as metrics_lib
 from seq2seq import sharding as shd
 from seq2seq.config import Config
 from seq2seq.errors import UserError
-from seq2seq.losses import head_cross_entropy, shift_right
+from seq2seq.losses import head_chunks, head_cross_entropy, shift_right
 from seq2seq.model import Transformer, head_weights
 from seq2seq.optim import make_optimizer, warmup_rsqrt_schedule
 
@@ -85,9 +85,8 @@ def _loss_and_metrics(cfg, params, batch, bos_id, rng=None, train: bool = True):
   w, b, w_is_VxD = head_weights(cfg.model, params)
   tgt = batch["tgt"]
   loss_sum, correct, n = head_cross_entropy(
-      y_BxTxD.reshape(-1, y_BxTxD.shape[-1]), w, b, tgt.reshape(-1),
-      (tgt != 0).reshape(-1).astype(jnp.float32), cfg.train.label_smoothing,
-      cfg.model.dtype, w_is_VxD)
+      y_BxTxD, w, b, tgt, (tgt != 0).astype(jnp.float32), cfg.train.label_smoothing,
+      cfg.model.dtype, w_is_VxD, head_chunks(*tgt.shape, cfg.model.vocab_size))
   return loss_sum, {"loss_sum": loss_sum, "tokens": n, "correct": correct}
 
 
