@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from seq2seq.attention import row_major
-from seq2seq.layers import dot_nt
+from seq2seq.layers import dot_nt, dot_tn
 
 
 def shift_right(tgt_BxT: jax.Array, bos_id: int, segments_BxT: jax.Array | None = None):
@@ -89,7 +89,7 @@ def _head_piece(y_NxD, w, b_V, t_N, wt_N, label_smoothing, dtype, w_is_VxD, grad
   d_NxV = ((p_NxV - q_NxV) * wt_N[:, None]).astype(dtype)
   dy_NxD = jnp.dot(d_NxV, w_c, preferred_element_type=jnp.float32) if w_is_VxD else dot_nt(
       d_NxV, w_c)
-  dw_DxV = jnp.dot(row_major(y_c.T), d_NxV, preferred_element_type=jnp.float32)
+  dw_DxV = dot_tn(y_c, d_NxV)
   db_V = None if b_V is None else jnp.sum(d_NxV.astype(jnp.float32), axis=0)
   return sums, (dy_NxD, dw_DxV, db_V)
 
@@ -98,9 +98,8 @@ def _head(y_BxTxD, w, b_V, t_BxT, wt_BxT, label_smoothing, dtype, w_is_VxD, chun
   """`_head_piece` over all rows at once (chunks=1) or over `chunks` slices of the target
   length in turn (a scan), summing the sums and the weight gradients."""
   b, t, d = y_BxTxD.shape
-  piece = lambda y, tt, wt, grads=grads: _head_piece(
-      y.reshape(-1, d), w, b_V, tt.reshape(-1), wt.reshape(-1), label_smoothing, dtype,
-      w_is_VxD, grads)
+  piece = lambda y, tt, wt: _head_piece(y.reshape(-1, d), w, b_V, tt.reshape(-1),
+                                        wt.reshape(-1), label_smoothing, dtype, w_is_VxD, grads)
   if chunks == 1:
     sums, g = piece(y_BxTxD, t_BxT, wt_BxT)
     dy_BxTxD = None if g is None else g[0].reshape(b, t, d)
