@@ -52,7 +52,8 @@ def parse_args(argv):
                  "source length + 50, at most the model's max_len)")
   p.add_argument("--batch-size", type=int, default=64,
                  help="sentences per batch (default: %(default)s)")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--no-progress", "--no_progress", dest="no_progress", action="store_true",
+                 help="no progress bar")
   return p.parse_args(argv)
 
 

@@ -226,3 +226,15 @@ def test_config_that_does_not_match_the_checkpoint(workdir, tmp_path, capsys):
 ])
 def test_bad_values_with_a_good_workdir(workdir, argv, message, capsys):
   assert_user_error(*run(capsys, "--workdir", workdir, *argv), message)
+
+
+@pytest.mark.parametrize("flag", ["--no-progress", "--no_progress"])
+def test_no_progress_is_spelled_either_way_in_both_scripts(flag):
+  """train.py's flags use underscores and decode.py's dashes; the one flag both have is
+  accepted in either spelling by each."""
+  sys.path.insert(0, str(ROOT))
+  import train as train_script
+  assert decode_script.parse_args(["--workdir", "w", flag]).no_progress
+  assert not decode_script.parse_args(["--workdir", "w"]).no_progress
+  assert train_script.parse_args(["--workdir", "w", flag])[0].no_progress
+  assert not train_script.parse_args(["--workdir", "w"])[0].no_progress
