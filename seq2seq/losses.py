@@ -102,7 +102,10 @@ def _head(y_BxTxD, w, b_V, t_BxT, wt_BxT, label_smoothing, dtype, w_is_VxD, chun
                                         wt.reshape(-1), label_smoothing, dtype, w_is_VxD, grads)
   if chunks == 1:
     sums, g = piece(y_BxTxD, t_BxT, wt_BxT)
-    dy_BxTxD = None if g is None else g[0].reshape(b, t, d)
+    if g is None:
+      return sums, None
+    dy_NxD, dw_DxV, db_V = g
+    dy_BxTxD = dy_NxD.reshape(b, t, d)
   else:
     split = lambda x: x.reshape(b, chunks, t // chunks, *x.shape[2:]).swapaxes(0, 1)
 
@@ -117,13 +120,11 @@ def _head(y_BxTxD, w, b_V, t_BxT, wt_BxT, label_smoothing, dtype, w_is_VxD, chun
             if grads else None)
     (sums, g_w), dy_CxNxD = jax.lax.scan(body, init, (split(y_BxTxD), split(t_BxT),
                                                       split(wt_BxT)))
-    g = None if g_w is None else (None, *g_w)
-    dy_BxTxD = None if g is None else (
-        dy_CxNxD.reshape(chunks, b, t // chunks, d).swapaxes(0, 1).reshape(b, t, d))
-  if g is None:
-    return sums, None
-  dw = row_major(g[1]).T if w_is_VxD else g[1]
-  return sums, (dy_BxTxD, dw, g[2])
+    if not grads:
+      return sums, None
+    dw_DxV, db_V = g_w
+    dy_BxTxD = dy_CxNxD.reshape(chunks, b, t // chunks, d).swapaxes(0, 1).reshape(b, t, d)
+  return sums, (dy_BxTxD, row_major(dw_DxV).T if w_is_VxD else dw_DxV, db_V)
 
 
 def head_chunks(batch: int, length: int, vocab: int) -> int:
