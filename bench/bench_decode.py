@@ -9,7 +9,9 @@ is forbidden before the 64th token via min_len, so every row decodes exactly 64 
 vocab_size=32000) at batch 8. Strategies: greedy and beam search of 4 (alpha 0.6).
 
 Modes: `cached` is `decoding.decode` as users call it (KV cache, cross-attention keys and
-values projected once); `full` is the same jitted loop with `full_recompute=True`: every
+values projected once), given weights already in the compute dtype
+(`decoding.decode_params`, made once, as `translate_nbest` and decode.py do: with float32
+params each bfloat16 call would also cast them, ~40 ms for `base`); `full` is the same jitted loop with `full_recompute=True`: every
 step runs the teacher-forced decoder (`Transformer.decode`) over the whole [rows, 64] token
 buffer, recomputing self- and cross-attention keys/values and the logits of all 64
 positions (causal masking makes the result equal; tests check it).
@@ -28,7 +30,7 @@ bandwidth (a jitted sum over 256 MB). Each cached step must at least do `step_co
                      + N_d * 2 d (N L + B S)]                          self and cross K, V
 
 (N rows = batch B x beams, L cache slots = new tokens, S source length, size = bytes per
-element of the compute dtype: the weights are cast once per call. 6 d^2 = self Q, K, V, O and
+element of the compute dtype: the weights are cast beforehand. 6 d^2 = self Q, K, V, O and
 cross Q, O; 12 d + d_ff = biases and LayerNorms. The cross-attention K, V projections run
 once per call and are not counted, nor are beam search's cache moves.) The roofline limit
 is batch * steps / sum over steps of max(FLOPs / matmul peak, bytes / bandwidth) tokens/s:
@@ -149,6 +151,7 @@ def main(argv=None):
         dropout_rate=0.0, dtype=args.dtype)
     x = jnp.ones((1, 4), jnp.int32)
     params = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)
+    params = jax.jit(decoding.decode_params, static_argnums=0)(cfg, params)
     rng = np.random.default_rng(0)
     src = rng.integers(3, cfg.vocab_size, (w["batch"], args.src_len)).astype(np.int32)
     src[:, -1] = EOS

@@ -17,6 +17,17 @@ of the `small` and `base` presets (M = batch x length rows):
   dW plain    jnp.dot(x.T, g)          dW ours   layers.dot_tn(x, g)
 with bf16 inputs and f32 accumulation (or all f32), beside the 2048^3 matmul peak measured
 in the same run. The results are checked to agree. JSON to bench/results/.
+
+    python bench/bench_matmul_layouts.py --few_rows    # ~1 min: the decode step's form
+
+--few_rows times instead the forward x·W of a decode step: N = 8..64 rows (batch x beams)
+times each weight of the preset, once per step, so the weights come from memory, not the
+cache ("cold": a chain of dots over distinct copies of W, ~100 MB in all, larger than an
+L3), and once more with one W repeated ("hot"), two ways:
+  x·W       jnp.dot(x, W) from the [K, N] kernel, as stored
+  x·(Wᵀ)ᵀ   layers.dot_nt(x, Wt) from a row-major [N, K] copy Wt (`layers._dot` picks this
+            for a few bf16 rows times a matrix whose sides are all >= 512)
+in GB/s of weights read, beside a jitted sum's read rate over 256 MB (same run).
 """
 from __future__ import annotations
 
@@ -67,6 +78,74 @@ def measure(m: int, k: int, n: int, dtype: str, repeats: int) -> dict:
               **{name: dict(s=s, flops_per_s=flops / s) for name, s in secs.items()})
 
 
+def few_rows_measure(rows: int, k: int, n: int, dtype: str, repeats: int,
+                     cold_bytes: float = 100e6) -> dict:
+  """Seconds per x·W of each form, cold and hot, and the weights' GB/s."""
+  size = np.dtype(dtype).itemsize * k * n
+  copies = max(2, int(cold_bytes // size))
+  rng = np.random.default_rng(0)
+  w0 = rng.standard_normal((k, n), np.float32) * 0.05
+  ws = [jnp.asarray(w0 * (1 + 0.01 * i), dtype) for i in range(copies)]
+  wts = [jnp.asarray((w0 * (1 + 0.01 * i)).T.copy(), dtype) for i in range(copies)]
+  x = jnp.asarray(rng.standard_normal((rows, k), np.float32), dtype)
+  forms = {"x.W": lambda x, w: jnp.dot(x, w, preferred_element_type=F32), "x.(Wt)t": dot_nt}
+
+  def chain(form):
+    def f(x, ws):     # each dot waits for the previous one, as in a decode step
+      y = None
+      for w in ws:
+        y = forms[form](x, w)
+        x = x + (1e-6 * y.sum(axis=1, keepdims=True)).astype(x.dtype)
+      return y
+    return jax.jit(f)
+
+  fns, outs = {}, {}
+  for form, weights in (("x.W", ws), ("x.(Wt)t", wts)):
+    for temp, wl in (("cold", weights), ("hot", [weights[0]] * copies)):
+      f = chain(form)
+      outs[form, temp] = np.asarray(f(x, wl))
+      fns[f"{form} {temp}"] = (lambda f=f, wl=wl: jax.block_until_ready(f(x, wl)))
+  for temp in ("cold", "hot"):
+    a, b = outs["x.W", temp], outs["x.(Wt)t", temp]
+    np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max())
+  secs = _interleaved_medians(fns, repeats, block=1)
+  return dict(rows=rows, k=k, n=n, dtype=dtype, copies=copies, weight_bytes=size,
+              **{name: dict(s=t / copies, bytes_per_s=size * copies / t)
+                 for name, t in secs.items()})
+
+
+def few_rows_main(args) -> list:
+  from bench_decode import read_bandwidth
+  bw = read_bandwidth()
+  results = []
+  for dt in args.dtypes.split(","):
+    for preset in args.presets.split(","):
+      for rows in ((8, 32) if preset == "base" else (16, 64)):
+        for k, n in SHAPES[preset][:5]:          # the head is read the same way either form
+          results.append(dict(preset=preset, **few_rows_measure(rows, k, n, dt, args.repeats)))
+      print(f"  {dt} {preset} done", file=sys.stderr, flush=True)
+  print(f"GB/s of weights read by a decode step's x·W, jax {jax.__version__}, "
+        f"{jax.default_backend()}, {os.cpu_count()} CPUs; a jitted sum reads "
+        f"{bw['bytes_per_s'] / 1e9:.1f} GB/s (same run)")
+  names = ("x.W cold", "x.(Wt)t cold", "x.W hot", "x.(Wt)t hot")
+  print(f"{'dtype':9s} {'preset':6s} {'rows':>4s} {'K':>5s} {'N':>5s} " +
+        " ".join(f"{n:>13s}" for n in names) + f" {'cold x':>7s}")
+  print("-" * 100)
+  for r in results:
+    print(f"{r['dtype']:9s} {r['preset']:6s} {r['rows']:4d} {r['k']:5d} {r['n']:5d} " +
+          " ".join(f"{r[n]['bytes_per_s'] / 1e9:13.1f}" for n in names) +
+          f" {r['x.W cold']['s'] / r['x.(Wt)t cold']['s']:6.2f}x")
+  out = args.out.replace("matmul_layouts.json", "matmul_few_rows.json")
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                   machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+                   jax=jax.__version__, backend=jax.default_backend(), read_bandwidth=bw,
+                   results=results), f, indent=2)
+  print(f"wrote {out}")
+  return results
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--presets", default="small,base")
@@ -75,7 +154,11 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "matmul_layouts.json"))
+  ap.add_argument("--few_rows", action="store_true",
+                  help="time a decode step's few-row x·W instead (cold and hot weights)")
   args = ap.parse_args(argv)
+  if args.few_rows:
+    return few_rows_main(args)
 
   dtypes = args.dtypes.split(",")
   peaks = {dt: matmul_peak(dt) for dt in dtypes}

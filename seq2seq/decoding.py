@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from seq2seq.attention import row_major
 from seq2seq.config import TransformerConfig
 from seq2seq.errors import UserError
 from seq2seq.model import Transformer, head_weights, init_cache
@@ -426,12 +427,13 @@ def _repeat_rows(tree, n: int):
 
 
 def head_DxV(cfg: TransformerConfig, params):
-  """The output head's weights as [D, V] (and bias [V] or None), laid out once per decode
-  call, so that every step's head is a plain [N, D]·[D, V] dot. XLA:CPU's own dot emitter
-  (which the f32 loop uses, see `CPU_F32_DECODE_OPTIONS`) runs the tied [V, D]ᵀ form of
-  it ~3x slower."""
+  """The output head's weights as [D, V] in the compute dtype (and bias [V] or None), laid
+  out once per decode call, so that every step's head is a plain [N, D]·[D, V] dot. XLA:CPU's
+  own dot emitter (which the f32 loop uses, see `CPU_F32_DECODE_OPTIONS`) runs the tied
+  [V, D]ᵀ form of it ~3x slower. (Row-major: else XLA casts the table in one pass and
+  transposes it in a second.)"""
   w, b_V, w_is_VxD = head_weights(cfg, params)
-  return (w.T if w_is_VxD else w), b_V
+  return row_major((w.T if w_is_VxD else w).astype(cfg.dtype)), b_V
 
 
 def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_len: int,
@@ -472,16 +474,29 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
   return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len)
 
 
+def decode_params(cfg: TransformerConfig, params):
+  """The weight matrices in the compute dtype: decoding a few rows at a time is bound by
+  reading the weights, so a bf16 model decodes from bf16 copies. `decode` makes them once
+  per call; callers that decode many batches (`translate_nbest`) make them once and pass
+  them in. Embedding tables keep their dtype: they are only looked up (and XLA:CPU would
+  widen a whole bf16 table to f32 for each call's lookups); the head casts its own copy."""
+  if cfg.dtype == "float32":
+    return params
+  def cast(path, x):
+    name = getattr(path[-1], "key", None)
+    return x if x.ndim < 2 or name == "embedding" else x.astype(cfg.dtype)
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+_decode_params_jit = jax.jit(decode_params, static_argnums=0)
+
+
 def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_len: int,
                  per_row_limit: bool, bos_id: int, eos_id: int, pad_id: int, min_len: int,
                  full_recompute: bool, return_logits: bool) -> DecodeResult:
   model = Transformer(cfg)
   batch = src_BxS.shape[0]
-  if cfg.dtype != "float32":
-    # Cast the matrices to the compute dtype once, not at every step of the loop: decoding
-    # a few rows at a time is bound by reading the weights.
-    params = jax.tree_util.tree_map(
-        lambda x: x.astype(cfg.dtype) if x.ndim >= 2 else x, params)
+  params = decode_params(cfg, params)
   if per_row_limit:
     src_len_B = jnp.sum(src_BxS != pad_id, axis=1).astype(jnp.int32)
     limits_B = jnp.minimum(src_len_B + EXTRA_LEN, max_len)
@@ -660,6 +675,7 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
     progress(len(srcs) - len(todo))
   order = sorted(todo, key=lambda i: len(srcs[i]))
   key = _as_key(rng)
+  params = _decode_params_jit(cfg, _variables(params))   # once, not per batch
   num_tokens = 0
   for n, start in enumerate(range(0, len(order), batch_size)):
     idx = order[start:start + batch_size]

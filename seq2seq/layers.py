@@ -56,15 +56,28 @@ def dot_tn(a_MxK: jax.Array, b_MxN: jax.Array) -> jax.Array:
   return row_major(jnp.dot(row_major(b_MxN.T), a_MxK, preferred_element_type=jnp.float32)).T
 
 
+def _dot(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+  """x·W, float32 accumulation. A few rows of bf16 (a decode step) times a large W are
+  computed as x·(Wᵀ)ᵀ from a row-major [N, K] copy: XLA:CPU's bf16 kernels stream weights
+  from memory faster in that form (`python bench/bench_matmul_layouts.py --few_rows`). In
+  the decode loop the copy is loop-invariant, so XLA makes it once per call. Matrices with
+  a side under 512 (the `small` preset's) stay in the L3 cache from step to step, and run
+  as fast or faster as they are."""
+  if (x_MxK.shape[0] <= 32 and x_MxK.dtype.itemsize == 2 and min(w_KxN.shape) >= 512
+      and jax.default_backend() == "cpu"):
+    return dot_nt(x_MxK, row_major(w_KxN.T))
+  return jnp.dot(x_MxK, w_KxN, preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, dtype: str = "float32") -> jax.Array:
   """x·W with `dtype` inputs and float32 accumulation and output, forward and backward."""
-  return jnp.dot(x_MxK.astype(dtype), w_KxN.astype(dtype), preferred_element_type=jnp.float32)
+  return _dot(x_MxK.astype(dtype), w_KxN.astype(dtype))
 
 
 def _matmul_fwd(x_MxK, w_KxN, dtype):
   x_c, w_c = x_MxK.astype(dtype), w_KxN.astype(dtype)
-  y = jnp.dot(x_c, w_c, preferred_element_type=jnp.float32)
+  y = _dot(x_c, w_c)
   # Empty arrays carry the input dtypes (dtypes themselves can't be residuals).
   return y, (x_c, w_c, jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype))
 

@@ -661,17 +661,17 @@ def test_decode_head_of_every_variant_matches_teacher_forcing(ref, variant):
   np.testing.assert_allclose(out.logits, want, atol=1e-5, rtol=0)
 
 
-def test_bf16_decode_casts_weights_once_and_matches_teacher_forcing(params, ref):
-  """dtype=bfloat16: the loop runs on bf16 copies of the matrices (made once per call).
-  Greedy tokens == argmax of the teacher-forced bf16 model with those same bf16-rounded
-  weights on the decoded prefix; and bf16 differs from f32 (so the cast really happened)."""
+def test_bf16_decode_matches_the_bf16_model_teacher_forced(params, ref):
+  """dtype=bfloat16: the loop runs on bf16 copies of the matrices (`decode_params`, the
+  embedding tables excepted: they are only looked up). That is exactly what the bf16 model
+  computes from the f32 params in training, so greedy tokens == argmax of the teacher-forced
+  bf16 model on the decoded prefix; passing the copies in gives the same result; and bf16
+  differs from f32 (so the cast really happened)."""
   cfg = CFG.replace(dtype="bfloat16")
   out = dec.decode(cfg, params, ref["src"], dec.Greedy(), bos_id=BOS, eos_id=ref["eos"],
                    max_len=8)
-  rounded = jax.tree_util.tree_map(
-      lambda x: x.astype(jnp.bfloat16).astype(jnp.float32) if x.ndim >= 2 else x, params)
   tgt_in = np.concatenate([np.full((3, 1), BOS), np.asarray(out.tokens[:, 0, :-1])], 1)
-  logits = np.array(Transformer(cfg).apply(rounded, ref["src"], tgt_in.astype(np.int32)))
+  logits = np.array(Transformer(cfg).apply(params, ref["src"], tgt_in.astype(np.int32)))
   logits[..., PAD] = -np.inf
   for b in range(3):
     n = int(out.lengths[b, 0])
@@ -679,3 +679,23 @@ def test_bf16_decode_casts_weights_once_and_matches_teacher_forcing(params, ref)
     np.testing.assert_array_equal(out.tokens[b, 0, :n], logits[b, :n].argmax(-1))
   f32 = Transformer(CFG).apply(params, ref["src"], tgt_in.astype(np.int32))
   assert float(jnp.abs(f32 - logits.clip(-1e9)).max()) > 1e-4
+  cast = dec.decode_params(cfg, params)
+  again = dec.decode(cfg, cast, ref["src"], dec.Greedy(), bos_id=BOS, eos_id=ref["eos"],
+                     max_len=8)
+  np.testing.assert_array_equal(again.tokens, out.tokens)
+  np.testing.assert_array_equal(again.scores, out.scores)
+
+
+def test_decode_params_casts_the_matrices_but_not_embeddings_or_vectors(params):
+  cfg = CFG.replace(dtype="bfloat16")
+  cast = dec.decode_params(cfg, params)
+  leaves = jax.tree_util.tree_leaves_with_path(cast)
+  assert len(leaves) == len(jax.tree_util.tree_leaves(params))
+  kinds = set()
+  for path, x in leaves:
+    name = path[-1].key
+    want = jnp.float32 if x.ndim < 2 or name == "embedding" else jnp.bfloat16
+    assert x.dtype == want, (jax.tree_util.keystr(path), x.dtype)
+    kinds.add((name, x.dtype == jnp.bfloat16))
+  assert {("embedding", False), ("kernel", True), ("bias", False)} <= kinds
+  assert dec.decode_params(CFG, params) is params        # float32: nothing to do

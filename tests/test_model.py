@@ -347,6 +347,26 @@ def test_jitted_matmul_gradients_match_numpy_for_either_transpose(dtype, m, k, n
   np.testing.assert_allclose(jax.jit(dot_nt)(b, w.astype(dtype)), r(g) @ r(w).T,
                              rtol=1e-5, atol=1e-4)
 
+@pytest.mark.parametrize("m,k,n,few", [(8, 512, 640, True), (33, 512, 640, False),
+                                         (8, 256, 640, False)])
+def test_few_row_bf16_matmul_uses_a_transposed_copy_and_matches_numpy(m, k, n, few):
+  """A decode step's few bf16 rows times a matrix with sides >= 512 run as x·(Wᵀ)ᵀ from a
+  transposed copy of W (`layers._dot`); other shapes run as x·W. Both forms, and their
+  gradients, give the numbers NumPy gives for the bf16-rounded inputs."""
+  from seq2seq.layers import matmul
+  ks = jax.random.split(jax.random.key(2), 3)
+  x, w, g = (jax.random.normal(kk, s) for kk, s in zip(ks, [(m, k), (k, n), (m, n)]))
+  jaxpr = str(jax.make_jaxpr(lambda x, w: matmul(x, w, "bfloat16"))(x, w))
+  assert ("transpose" in jaxpr) == few and "dot_general" in jaxpr
+  r = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  y, (dx, dw) = jax.jit(lambda x, w, g: (
+      matmul(x, w, "bfloat16"),
+      jax.vjp(lambda x, w: matmul(x, w, "bfloat16"), x, w)[1](g)))(x, w, g)
+  np.testing.assert_allclose(y, r(x) @ r(w), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(dx, r(g) @ r(w).T, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(dw, r(x).T @ r(g), rtol=1e-5, atol=1e-4)
+
+
 def test_dropout_mask_rate_independence_and_keys():
   from seq2seq.layers import Dropout, dropout_keep_mask
   shape = (64, 128, 32)
