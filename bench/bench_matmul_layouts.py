@@ -78,6 +78,15 @@ def measure(m: int, k: int, n: int, dtype: str, repeats: int) -> dict:
               **{name: dict(s=s, flops_per_s=flops / s) for name, s in secs.items()})
 
 
+def _write(path: str, **results) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                   machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+                   jax=jax.__version__, backend=jax.default_backend(), **results), f, indent=2)
+  print(f"wrote {path}")
+
+
 def few_rows_measure(rows: int, k: int, n: int, dtype: str, repeats: int,
                      cold_bytes: float = 100e6) -> dict:
   """Seconds per x·W of each form, cold and hot, and the weights' GB/s."""
@@ -135,14 +144,8 @@ def few_rows_main(args) -> list:
     print(f"{r['dtype']:9s} {r['preset']:6s} {r['rows']:4d} {r['k']:5d} {r['n']:5d} " +
           " ".join(f"{r[n]['bytes_per_s'] / 1e9:13.1f}" for n in names) +
           f" {r['x.W cold']['s'] / r['x.(Wt)t cold']['s']:6.2f}x")
-  out = args.out.replace("matmul_layouts.json", "matmul_few_rows.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                   machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-                   jax=jax.__version__, backend=jax.default_backend(), read_bandwidth=bw,
-                   results=results), f, indent=2)
-  print(f"wrote {out}")
+  _write(args.out.replace("matmul_layouts.json", "matmul_few_rows.json"),
+         read_bandwidth=bw, results=results)
   return results
 
 
@@ -182,13 +185,7 @@ def main(argv=None):
           " ".join(f"{r[n]['flops_per_s'] / 1e9:9.0f}" for n in names) +
           f" {r['dx_plain']['s'] / r['dx_ours']['s']:5.2f}x"
           f" {r['dw_plain']['s'] / r['dw_ours']['s']:5.2f}x")
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                   machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-                   jax=jax.__version__, backend=jax.default_backend(), m=args.m,
-                   matmul_peaks=peaks, results=results), f, indent=2)
-  print(f"wrote {args.out}")
+  _write(args.out, m=args.m, matmul_peaks=peaks, results=results)
   return results
 
 
