@@ -62,7 +62,7 @@ def _dot(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
   from memory faster in that form (`python bench/bench_matmul_layouts.py --few_rows`). In
   the decode loop the copy is loop-invariant, so XLA makes it once per call. Matrices with
   a side under 512 (the `small` preset's) stay in the L3 cache from step to step, and run
-  as fast or faster as they are."""
+  at least as fast as they are."""
   if (x_MxK.shape[0] <= 32 and x_MxK.dtype.itemsize == 2 and min(w_KxN.shape) >= 512
       and jax.default_backend() == "cpu"):
     return dot_nt(x_MxK, row_major(w_KxN.T))
