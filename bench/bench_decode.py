@@ -11,10 +11,11 @@ vocab_size=32000) at batch 8. Strategies: greedy and beam search of 4 (alpha 0.6
 Modes: `cached` is `decoding.decode` as users call it (KV cache, cross-attention keys and
 values projected once), given weights already in the compute dtype
 (`decoding.decode_params`, made once, as `translate_nbest` and decode.py do: with float32
-params each bfloat16 call would also cast them, ~40 ms for `base`); `full` is the same jitted loop with `full_recompute=True`: every
-step runs the teacher-forced decoder (`Transformer.decode`) over the whole [rows, 64] token
-buffer, recomputing self- and cross-attention keys/values and the logits of all 64
-positions (causal masking makes the result equal; tests check it).
+params each bfloat16 call would also cast them, ~50 ms for `base`); `full` is the same
+jitted loop with `full_recompute=True`: every step runs the teacher-forced decoder
+(`Transformer.decode`) over the whole [rows, 64] token buffer, recomputing self- and
+cross-attention keys/values and the logits of all 64 positions (causal masking makes the
+result equal; tests check it).
 
 tokens/s counts output tokens of the returned translation (batch x 64 per call), whatever
 the beam size. compile_s is the first call minus a warm call (tracing + XLA compilation of
@@ -151,7 +152,7 @@ def main(argv=None):
         dropout_rate=0.0, dtype=args.dtype)
     x = jnp.ones((1, 4), jnp.int32)
     params = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)
-    params = jax.jit(decoding.decode_params, static_argnums=0)(cfg, params)
+    params = decoding.decode_params(cfg, params)
     rng = np.random.default_rng(0)
     src = rng.integers(3, cfg.vocab_size, (w["batch"], args.src_len)).astype(np.int32)
     src[:, -1] = EOS

@@ -166,7 +166,7 @@ def profile_decode(preset: str, dtype: str, strategy: str):
                                                                        dtype=dtype)
   x = jnp.ones((1, 4), jnp.int32)
   params = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)
-  params = jax.jit(decoding.decode_params, static_argnums=0)(cfg, params)   # as bench_decode
+  params = decoding.decode_params(cfg, params)   # as bench_decode
   src = np.random.default_rng(0).integers(3, cfg.vocab_size, (w["batch"], 32)).astype(np.int32)
   src[:, -1] = bd.EOS
   kw = dict(strategy=bd.STRATEGIES[strategy], max_len=64, per_row_limit=False, bos_id=bd.BOS,

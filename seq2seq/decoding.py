@@ -480,15 +480,15 @@ def decode_params(cfg: TransformerConfig, params):
   per call; callers that decode many batches (`translate_nbest`) make them once and pass
   them in. Embedding tables keep their dtype: they are only looked up (and XLA:CPU would
   widen a whole bf16 table to f32 for each call's lookups); the head casts its own copy."""
-  if cfg.dtype == "float32":
-    return params
+  return params if cfg.dtype == "float32" else _cast_matrices(cfg, params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _cast_matrices(cfg: TransformerConfig, params):
   def cast(path, x):
     name = getattr(path[-1], "key", None)
     return x if x.ndim < 2 or name == "embedding" else x.astype(cfg.dtype)
   return jax.tree_util.tree_map_with_path(cast, params)
-
-
-_decode_params_jit = jax.jit(decode_params, static_argnums=0)
 
 
 def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_len: int,
@@ -675,7 +675,7 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
     progress(len(srcs) - len(todo))
   order = sorted(todo, key=lambda i: len(srcs[i]))
   key = _as_key(rng)
-  params = _decode_params_jit(cfg, _variables(params))   # once, not per batch
+  params = decode_params(cfg, _variables(params))   # once, not per batch
   num_tokens = 0
   for n, start in enumerate(range(0, len(order), batch_size)):
     idx = order[start:start + batch_size]
