@@ -10,6 +10,7 @@ import os
 import queue
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -301,9 +302,9 @@ def prepare_workdir(cfg: Config, workdir) -> Config:
   workdir = Path(workdir)
   try:
     workdir.mkdir(parents=True, exist_ok=True)
-    probe = workdir / ".write_probe"
-    probe.write_text("ok")
-    probe.unlink()
+    # A probe of its own: processes of a multi-host run check the same workdir at once.
+    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_probe"):
+      pass
   except OSError as e:
     raise UserError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
   old = ckpt_lib.read_config(workdir)
