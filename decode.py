@@ -24,14 +24,10 @@ output: one translation per line on standard output; with --n-best N (beam searc
   A progress bar (file or standard input) and the speed go to standard error."""
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # bad flags: one line and exit code 2, like every user error
-    self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv):
-  p = _Parser(description=__doc__.split("\n")[0], epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  from seq2seq.errors import ArgumentParser
+  p = ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate")
   p.add_argument("--workdir", default="runs/default",
                  help="a workdir written by train.py (default: %(default)s)")

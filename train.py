@@ -18,8 +18,9 @@ multi-host: run one process per host with --coordinator_address HOST:PORT
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split(";")[0], epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  from seq2seq.errors import ArgumentParser
+  p = ArgumentParser(description=__doc__.split(";")[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", default="runs/default", help="where everything is written (default: %(default)s)")
   p.add_argument("--config", default=None, help="numbers (default), tiny, small, base or big")
   p.add_argument("--dataset", default=None,

@@ -1,14 +1,21 @@
-"""seq2seq: the encoder-decoder Transformer of "Attention Is All You Need" in JAX/Flax."""
-from seq2seq.config import (Config, ConfigError, DataConfig, TrainConfig, TransformerConfig,
-                            get_config)
-from seq2seq.errors import UserError
-from seq2seq.losses import accuracy, cross_entropy, shift_right
-from seq2seq.model import Transformer, count_params, init_cache
-from seq2seq.optim import make_optimizer, warmup_rsqrt_schedule
+"""seq2seq: the encoder-decoder Transformer of "Attention Is All You Need" in JAX/Flax.
 
-__all__ = [
-    "Config", "ConfigError", "UserError", "DataConfig", "TrainConfig", "TransformerConfig", "get_config",
-    "Transformer", "init_cache", "count_params", "shift_right", "cross_entropy", "accuracy",
-    "warmup_rsqrt_schedule", "make_optimizer",
-]
+The names below load on first use, so `train.py --help` and bad flags answer without
+importing JAX."""
+import importlib
+
+_WHERE = {
+    "Config": "config", "ConfigError": "config", "DataConfig": "config", "TrainConfig": "config",
+    "TransformerConfig": "config", "get_config": "config", "UserError": "errors",
+    "Transformer": "model", "init_cache": "model", "count_params": "model",
+    "shift_right": "losses", "cross_entropy": "losses", "accuracy": "losses",
+    "warmup_rsqrt_schedule": "optim", "make_optimizer": "optim",
+}
+__all__ = list(_WHERE)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  if name in _WHERE:
+    return getattr(importlib.import_module(f"seq2seq.{_WHERE[name]}"), name)
+  raise AttributeError(f"module 'seq2seq' has no attribute {name!r}")

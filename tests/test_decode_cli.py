@@ -238,3 +238,22 @@ def test_no_progress_is_spelled_either_way_in_both_scripts(flag):
   assert not decode_script.parse_args(["--workdir", "w"]).no_progress
   assert train_script.parse_args(["--workdir", "w", flag])[0].no_progress
   assert not train_script.parse_args(["--workdir", "w"])[0].no_progress
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("train.py", ["--bogus"], "unrecognized argument --bogus"),
+    ("train.py", ["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ("decode.py", ["--beam-size", "x"], "argument --beam-size: invalid int value: 'x'"),
+    ("decode.py", ["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_flags_are_one_line_and_exit_2_without_loading_jax(script, argv, message):
+  """Each script's flags are read before JAX loads (importing seq2seq is lazy): a typo
+  answers at once with one line, not argparse's usage dump."""
+  code = ("import runpy, sys; sys.argv = [sys.argv[1], *sys.argv[2:]]\n"
+          "try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+          "finally: print('jax loaded' if 'jax' in sys.modules else 'no jax', file=sys.stderr)")
+  p = subprocess.run([sys.executable, "-c", code, str(ROOT / script), *argv], cwd=str(ROOT),
+                     capture_output=True, text=True, timeout=60)
+  first, last = p.stderr.strip().splitlines()
+  assert p.returncode == 2 and first.startswith("error: ") and message in first, p.stderr
+  assert last == "no jax"
