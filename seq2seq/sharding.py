@@ -25,6 +25,11 @@ def maybe_initialize_distributed(coordinator: str = "", num_processes: int = 0,
   JAX_NUM_PROCESSES, JAX_PROCESS_ID) are read. On TPU pods and SLURM/Open MPI clusters
   `jax.distributed.initialize()` with no arguments finds everything itself: set
   SEQ2SEQ_DISTRIBUTED=auto for that.
+
+  SEQ2SEQ_DIST_TIMEOUT (default 120 s) bounds the wait for every process to join, and
+  SEQ2SEQ_HEARTBEAT_TIMEOUT (default 100 s, JAX's) how long the others run on after one
+  process dies: then they stop too (exit 134), and rerunning all of them resumes from the
+  last checkpoint.
   """
   coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
   num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
@@ -48,10 +53,18 @@ def maybe_initialize_distributed(coordinator: str = "", num_processes: int = 0,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id,
-                               initialization_timeout=int(os.environ.get(
-                                   "SEQ2SEQ_DIST_TIMEOUT", "120")))
+                               initialization_timeout=_env_seconds("SEQ2SEQ_DIST_TIMEOUT", 120),
+                               heartbeat_timeout_seconds=_env_seconds(
+                                   "SEQ2SEQ_HEARTBEAT_TIMEOUT", 100))
   elif os.environ.get("SEQ2SEQ_DISTRIBUTED") == "auto":
     jax.distributed.initialize()
+
+
+def _env_seconds(name: str, default: int) -> int:
+  value = os.environ.get(name, "") or str(default)
+  if not value.isdigit() or int(value) < 1:
+    raise UserError(f"{name} must be a whole number of seconds >= 1, got {value!r}")
+  return int(value)
 
 
 def parse_mesh_shape(spec: str, num_devices: int) -> tuple[int, int]:

@@ -390,6 +390,47 @@ def test_two_processes_agree_with_one(corpus, trained, tmp_path):
     np.testing.assert_allclose(x, y, atol=1e-5)
 
 
+def test_when_one_process_dies_the_other_stops_and_the_run_resumes(corpus, trained, tmp_path):
+  """Process 1 is killed after a checkpoint: process 0 stops within the heartbeat timeout
+  (it does not hang), and the checkpoint it leaves resumes."""
+  _, data_dir = trained
+  extra = ["--config.train.checkpoint_every=10", "--config.train.log_every=10",
+           "--config.data.num_shards=2"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu", SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="5")
+  work = tmp_path / "w"
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, str(ROOT / "train.py"), *tiny_args(corpus, work, data_dir, 100_000, extra),
+       "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
+       "--process_id", str(i)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      text=True) for i in range(2)]
+  try:
+    deadline = time.time() + 240
+    while not any(c.name.isdigit() for c in (work / "checkpoints").glob("*")):
+      assert time.time() < deadline and all(p.poll() is None for p in procs), "no checkpoint"
+      time.sleep(0.5)
+    procs[1].kill()
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    waited = time.time() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  assert procs[0].returncode != 0, err[-2000:]
+  assert waited < 5 + 45, waited
+  assert "another task died" in err, err[-2000:]
+  last = ckpt_lib.Checkpoints(work, read_only=True).steps()[-1]
+  params_of(work, last)  # the newest checkpoint restores
+  p = run_train(tiny_args(corpus, work, data_dir, last + 5, extra),
+                env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert f"resuming from {work / 'checkpoints' / str(last)} (step {last})" in p.stdout + p.stderr
+  rows = [json.loads(r) for r in (work / "metrics.jsonl").read_text().splitlines()]
+  assert rows[-1]["step"] == last + 5
+
+
 def test_summary_names_the_step_of_stale_metrics():
   from seq2seq import train_lib
   m = dict(loss=1.0, accuracy=0.5, bleu=10.0, chrf=30.0, exact_match=0.25, examples=8)
