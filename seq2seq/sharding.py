@@ -49,13 +49,12 @@ def maybe_initialize_distributed(coordinator: str = "", num_processes: int = 0,
       raise UserError(f"--process_id must be in [0, {num_processes}) "
                       f"(or JAX_PROCESS_ID), got {process_id}")
   if coordinator and num_processes > 1:
+    timeouts = dict(initialization_timeout=_env_seconds("SEQ2SEQ_DIST_TIMEOUT", 120),
+                    heartbeat_timeout_seconds=_env_seconds("SEQ2SEQ_HEARTBEAT_TIMEOUT", 100))
     # CPU processes talk through gloo (only the CPU client reads this flag).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id,
-                               initialization_timeout=_env_seconds("SEQ2SEQ_DIST_TIMEOUT", 120),
-                               heartbeat_timeout_seconds=_env_seconds(
-                                   "SEQ2SEQ_HEARTBEAT_TIMEOUT", 100))
+                               process_id=process_id, **timeouts)
   elif os.environ.get("SEQ2SEQ_DISTRIBUTED") == "auto":
     jax.distributed.initialize()
 

@@ -313,6 +313,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
   assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
 
 
+@pytest.mark.parametrize("name", ["SEQ2SEQ_DIST_TIMEOUT", "SEQ2SEQ_HEARTBEAT_TIMEOUT"])
+def test_bad_distributed_timeouts_are_one_line(name, tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv(name, "10s")
+  code = train_script.main(["--workdir", str(tmp_path / "w"), "--no_progress",
+                            "--coordinator_address", "127.0.0.1:1", "--num_processes", "2",
+                            "--process_id", "0"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and err == f"error: {name} must be a whole number of seconds >= 1, got '10s'"
+
+
 def test_unwritable_workdir(tmp_path, capsys):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
