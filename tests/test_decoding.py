@@ -171,6 +171,16 @@ def test_cached_beam_equals_full_recompute_beam(params, ref, beam):
   assert all(len({tuple(h) for h in row}) == 3 for row in beam.tokens)  # distinct
 
 
+def test_cached_beam_over_three_cache_phases_equals_full_recompute(params, ref):
+  """40 steps: the cache grows 16 -> 24 -> 40 slots (`cache_phases`) as beams reorder it."""
+  kw = dict(BEAM_KW, max_len=40, min_len=40)
+  assert dec.cache_phases(40) == [16, 24, 40]
+  cached = dec.decode(CFG, params, ref["src"], BEAM, eos_id=ref["eos"], **kw)
+  full = dec.decode(CFG, params, ref["src"], BEAM, eos_id=ref["eos"], full_recompute=True, **kw)
+  np.testing.assert_array_equal(cached.tokens, full.tokens)
+  np.testing.assert_allclose(cached.scores, full.scores, atol=1e-4)
+
+
 def test_params_are_an_argument_not_a_constant(params, ref, greedy):
   src, eos, a = ref["src"], ref["eos"], greedy
   jitted = dec.decode_jit_for(CFG)
@@ -424,6 +434,62 @@ def _random_lm(vocab=12, scale=3.0):
     bits = mix(hash_N[:, None] * jnp.uint32(vocab) + jnp.arange(vocab, dtype=jnp.uint32))
     return scale * (bits >> 8).astype(jnp.float32) / 2.0 ** 24, hash_N
   return fn
+
+
+def test_cache_phases_grow_to_max_len():
+  for max_len in range(1, 321):
+    ends = dec.cache_phases(max_len)
+    assert ends[-1] == max_len and len(ends) <= 3 and ends == sorted(set(ends)), ends
+    for end in ends[:-1]:   # inner ends: even (beam search takes 2 steps per iteration)
+      assert end % 8 == 0 and 16 <= end <= 0.75 * max_len, ends
+    if max_len >= 64:       # the first phase covers at most a quarter of the steps (+7)
+      assert ends[0] <= max_len / 4 + 8, ends
+  assert dec.cache_phases(64) == [16, 32, 64] and dec.cache_phases(20) == [20]
+
+
+def _cache_lm(vocab=12):
+  """A toy model with a KV-like cache [N, 1, slots, 1]: step i writes the fed token to slot
+  i and its logits hash every slot <= i (integer sums, exact whatever the cache's length),
+  so a lost write, a slot read past the cache, or a beam that kept another's cache shows."""
+  seen = []
+
+  def mix(x):
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    return x ^ (x >> 15)
+
+  def fn(seq_NxL1, index, cache_Nx1xSx1):
+    seen.append(cache_Nx1xSx1.shape[2])
+    tok_N = lax_index(seq_NxL1, index).astype(jnp.uint32)
+    cache = jax.lax.dynamic_update_slice(cache_Nx1xSx1, tok_N[:, None, None, None], (0, 0, index, 0))
+    pos = jnp.arange(cache.shape[2], dtype=jnp.uint32)
+    h_N = jnp.sum(jnp.where(pos <= index, mix(cache[:, 0, :, 0] + 7 * pos), 0), -1)
+    bits = mix(h_N[:, None] * jnp.uint32(vocab) + jnp.arange(vocab, dtype=jnp.uint32))
+    return 3.0 * (bits >> 8).astype(jnp.float32) / 2.0 ** 24, cache
+  return fn, seen
+
+
+@pytest.mark.parametrize("strategy", [Greedy(), Beam(size=3, alpha=0.6, n_best=3)])
+def test_phased_loop_equals_one_loop_over_the_whole_cache(strategy):
+  """The loop in phases over a growing cache (16, 32, 64 slots) decodes exactly as one loop
+  over all 64 slots, for greedy and for beam search (whose cache moves with its beams)."""
+  L, rows = 64, 2
+  n = rows * getattr(strategy, "size", 1)
+  outs, traced = [], []
+  for resize in (None, dec.resize_cache):
+    fn, seen = _cache_lm()
+    kw = dict(batch_size=rows, max_len=L, limits_B=jnp.full((rows,), L), bos_id=BOS,
+              eos_id=EOS, pad_id=PAD, min_len=L, resize_state=resize)
+    cache = jnp.zeros((n, 1, L, 1), jnp.uint32)
+    if isinstance(strategy, Beam):
+      run = jax.jit(lambda: dec.beam_search(fn, cache, beam=strategy, **kw))
+    else:
+      run = jax.jit(lambda: dec.sample_search(fn, cache, strategy=strategy, **kw))
+    outs.append(jax.tree_util.tree_map(np.asarray, run()))
+    traced.append(sorted(set(seen)))
+  assert traced == [[64], [16, 32, 64]]
+  np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+  np.testing.assert_array_equal(outs[0].scores, outs[1].scores)
+  assert (outs[1].lengths == L).all() and len(np.unique(outs[1].tokens)) > 3
 
 
 def test_top_k_one_tiny_top_p_and_beam_of_one_are_greedy():
