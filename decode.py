@@ -63,8 +63,9 @@ def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   import absl.logging  # Orbax logs through absl: keep its chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
-  from seq2seq import decoding
+  from seq2seq import compile_cache, decoding
   from seq2seq.checkpoint import load_workdir
+  compile_cache.enable()
   from seq2seq.errors import UserError, one_line_warnings
   one_line_warnings()
   try:

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
   absl.logging.set_verbosity(absl.logging.ERROR)
   from seq2seq.errors import UserError, one_line_warnings
   one_line_warnings()
+  from seq2seq import compile_cache
+  compile_cache.enable()
   try:
     from seq2seq import sharding
     sharding.maybe_initialize_distributed(args.coordinator_address, args.num_processes,

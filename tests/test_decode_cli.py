@@ -257,3 +257,25 @@ def test_bad_flags_are_one_line_and_exit_2_without_loading_jax(script, argv, mes
   first, last = p.stderr.strip().splitlines()
   assert p.returncode == 2 and first.startswith("error: ") and message in first, p.stderr
   assert last == "no jax"
+
+
+def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir, tmp_path):
+  cache = tmp_path / "cache"
+  env = dict(os.environ, SEQ2SEQ_COMPILE_CACHE=str(cache), JAX_DEBUG_LOG_MODULES="jax._src.compiler",
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")   # however fast the compile
+  env.pop("XLA_FLAGS", None)
+
+  def decode(env):
+    p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(workdir),
+                        "twelve", "three hundred"], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    hit = "Persistent compilation cache hit for 'jit__decode_impl'" in p.stderr
+    return p.stdout, hit
+
+  first, hit = decode(env)
+  assert not hit and any(f.name.startswith("jit__decode_impl") for f in cache.iterdir())
+  second, hit = decode(env)
+  assert hit and second == first
+  for off in ("off", "/proc/no/such/dir"):   # off, or a directory that cannot be made
+    assert decode(dict(env, SEQ2SEQ_COMPILE_CACHE=off)) == (first, False)
