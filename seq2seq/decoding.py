@@ -7,9 +7,9 @@ once, then a `lax.while_loop` that feeds one token per step through `Transformer
 with a preallocated self-attention KV cache ([rows, heads, slots, head_dim], written in
 place). The loop runs in up to three phases whose caches hold L/4, L/2 and L slots
 (`cache_phases`), so early steps read and move a short cache; it stops as soon as every row
-has finished. Compiled once per (batch, source
-length, max_len, strategy, ...) and cached by `jax.jit`; params are an argument, never a
-closed-over constant, so new params (e.g. a new checkpoint) reuse the compiled code.
+has finished. Compiled once per (batch, source length, max_len, strategy, ...) and cached by
+`jax.jit`; params are an argument, never a closed-over constant, so new params (e.g. a new
+checkpoint) reuse the compiled code.
 
 A strategy is data, validated at construction (`UserError`, one line):
 
