@@ -8,7 +8,10 @@
 Everything (model config, parameters, SentencePiece vocabulary) comes from the workdir.
 """
 import argparse
+import contextlib
+import itertools
 import os
+import signal
 import sys
 import time
 
@@ -21,6 +24,8 @@ input: the SENTENCE arguments, else the lines of --input FILE, else standard inp
 output: one translation per line on standard output; with --n-best N (beam search only)
   up to N lines per input: index<TAB>score<TAB>translation (index counts input lines from
   0; score = log-probability / length penalty; an empty input gives one line, score 0).
+  Lines are written as each chunk of --chunk-size lines is done; an interrupted run keeps
+  them. Typed at a terminal, each line is translated when Enter is pressed.
   A progress bar (file or standard input) and the speed go to standard error."""
 
 
@@ -48,6 +53,10 @@ def parse_args(argv):
                  "source length + 50, at most the model's max_len)")
   p.add_argument("--batch-size", type=int, default=64,
                  help="sentences per batch (default: %(default)s)")
+  p.add_argument("--chunk-size", type=int, default=2048, metavar="LINES",
+                 help="translate and write this many lines at a time, so output comes as "
+                 "it is ready and an interrupted run keeps it (default: %(default)s; "
+                 "lines are sorted by length within a chunk)")
   p.add_argument("--no-progress", "--no_progress", dest="no_progress", action="store_true",
                  help="no progress bar")
   return p.parse_args(argv)
@@ -59,6 +68,50 @@ def _one_line(text: str) -> str:
   return " ".join(text.splitlines()) if text else text
 
 
+def typed_lines(stream):
+  """The lines of an interactive standard input, one at a time as they are entered."""
+  from seq2seq.errors import UserError
+  stream = getattr(stream, "buffer", stream)
+  for n in itertools.count(1):
+    raw = stream.readline()
+    if not raw:
+      return
+    try:
+      line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError:
+      raise UserError(f"standard input line {n}: invalid UTF-8") from None
+    yield line.removesuffix("\n").removesuffix("\r")
+
+
+def write(out, first: int, n_best: int | None):
+  """One chunk's translations on standard output, flushed: they survive an interrupt."""
+  rows = []
+  for i, (texts, scores) in enumerate(zip(out.texts, out.scores), first):
+    if n_best is None:
+      rows.append(_one_line(texts[0]))
+    else:
+      rows += [f"{i}\t{score:.4f}\t{_one_line(text)}" for text, score in zip(texts, scores)]
+  sys.stdout.write("".join(row + "\n" for row in rows))
+  sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def ctrl_c_waits():
+  """Ctrl-C inside the block takes effect at its end, so a chunk is written and counted
+  whole. (Only where Python's own Ctrl-C handler is in place.)"""
+  if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    yield
+    return
+  pressed = []
+  old = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+  if pressed:
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   import absl.logging  # Orbax logs through absl: keep its chatter out of the way
@@ -68,31 +121,43 @@ def main(argv=None) -> int:
   compile_cache.enable()
   from seq2seq.errors import UserError, one_line_warnings
   one_line_warnings()
+  done = 0
   try:
+    if args.chunk_size < 1:
+      raise UserError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     strategy = decoding.strategy_from_flags(
         beam_size=args.beam_size, alpha=args.alpha, n_best=args.n_best,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.sentences and args.input is not None:
       raise UserError("give SENTENCE arguments or --input, not both")
     cfg, params, tokenizer = load_workdir(args.workdir, args.checkpoint_step)
-    from_lines = not args.sentences
-    if not from_lines:
+    if args.sentences:
       lines = args.sentences
     elif args.input not in (None, "-"):
       lines = decoding.read_lines(args.input)
+    elif sys.stdin.isatty():                    # someone typing: answer each line
+      print("type a sentence and press Enter (end with Ctrl-D)", file=sys.stderr)
+      lines, args.chunk_size, args.no_progress = typed_lines(sys.stdin), 1, True
     else:
-      if sys.stdin.isatty():
-        print("reading sentences from standard input (end with Ctrl-D)", file=sys.stderr)
       lines = decoding.read_lines(getattr(sys.stdin, "buffer", sys.stdin))
     bar = None
-    if from_lines and not args.no_progress:
+    if not args.sentences and not args.no_progress:
       from tqdm.auto import tqdm
       bar = tqdm(total=len(lines), unit="line", file=sys.stderr, dynamic_ncols=True)
-    start = time.perf_counter()
+    start, done, num_tokens, truncated = time.perf_counter(), 0, 0, []
+    chunks = decoding.translate_chunks(
+        params, cfg.model, tokenizer, lines, strategy, chunk_size=args.chunk_size,
+        batch_size=args.batch_size, max_len=args.max_len, rng=args.seed,
+        progress=bar.update if bar else None)
     try:
-      out = decoding.translate_nbest(
-          params, cfg.model, tokenizer, lines, strategy, batch_size=args.batch_size,
-          max_len=args.max_len, rng=args.seed, progress=bar.update if bar else None)
+      for _, out in chunks:                     # written as each chunk is done
+        with ctrl_c_waits():
+          if bar is not None:
+            bar.clear()
+          write(out, done, args.n_best)
+          done += len(out.texts)
+        num_tokens += out.num_tokens
+        truncated += out.truncated
     finally:
       if bar is not None:
         bar.close()
@@ -101,27 +166,19 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
+    print(f"interrupted: {done} line(s) translated and written", file=sys.stderr)
     return 130
-
-  try:
-    for i, (texts, scores) in enumerate(zip(out.texts, out.scores)):
-      if args.n_best is None:
-        print(_one_line(texts[0]))
-      else:
-        for text, score in zip(texts, scores):
-          print(f"{i}\t{score:.4f}\t{_one_line(text)}")
-    sys.stdout.flush()
   except BrokenPipeError:  # e.g. `decode.py ... | head`: the reader has all it wanted
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
-  if out.truncated:
-    shown = ", ".join(str(i + 1) for i in out.truncated[:5])
-    more = ", ..." if len(out.truncated) > 5 else ""
-    print(f"warning: {len(out.truncated)} input line(s) longer than the model's "
+
+  if truncated:
+    shown = ", ".join(str(i + 1) for i in truncated[:5])
+    more = ", ..." if len(truncated) > 5 else ""
+    print(f"warning: {len(truncated)} input line(s) longer than the model's "
           f"{cfg.model.max_len} tokens were truncated (line {shown}{more})", file=sys.stderr)
-  print(f"{len(lines)} lines, {out.num_tokens} tokens generated in {seconds:.2f} s "
-        f"({out.num_tokens / max(seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
+  print(f"{done} lines, {num_tokens} tokens generated in {seconds:.2f} s "
+        f"({num_tokens / max(seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
   return 0
 
 

@@ -33,16 +33,18 @@ Conventions shared by every strategy:
     exactly as each of its sources alone.
   * Lengths count generated tokens, EOS included.
 
-Sentences in, sentences out: `translate` (best hypothesis of each sentence) and
+Sentences in, sentences out: `translate` (best hypothesis of each sentence),
 `translate_nbest` (every hypothesis with its score; cuts over-long sources, skips empty
-ones). decode.py also uses `strategy_from_flags` and `read_lines`.
+ones) and `translate_chunks` (the same, chunk by chunk, for output written as it comes).
+decode.py also uses `strategy_from_flags` and `read_lines`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -520,7 +522,10 @@ def decode_params(cfg: TransformerConfig, params):
   per call; callers that decode many batches (`translate_nbest`) make them once and pass
   them in. Embedding tables keep their dtype: they are only looked up (and XLA:CPU would
   widen a whole bf16 table to f32 for each call's lookups); the head casts its own copy."""
-  return params if cfg.dtype == "float32" else _cast_matrices(cfg, params)
+  def done(path, x):
+    return x.ndim < 2 or getattr(path[-1], "key", None) == "embedding" or x.dtype == cfg.dtype
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  return params if all(done(path, x) for path, x in leaves) else _cast_matrices(cfg, params)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -738,6 +743,29 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
     if progress is not None:
       progress(len(idx))
   return Translations(texts, scores, num_tokens, truncated)
+
+
+def translate_chunks(params, cfg: TransformerConfig, tokenizer, sentences: Iterable[str],
+                     strategy: Strategy = Greedy(), *, chunk_size: int = 2048, rng=None,
+                     **kwargs) -> Iterator[tuple[int, Translations]]:
+  """`translate_nbest` over consecutive chunks of `chunk_size` sentences: yields (index of
+  the chunk's first sentence, its Translations) as each chunk is done, so a caller can write
+  results while the rest decode (and keep them if interrupted). `sentences` may be any
+  iterable, read lazily one chunk at a time (chunk_size 1 translates each line as it is
+  typed). Sorting by length happens within a chunk; `truncated` holds global indices.
+  Chunk k decodes with `fold_in(rng, k)`. kwargs go to `translate_nbest`."""
+  _check(_is_int(chunk_size) and chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size!r}")
+  key = _as_key(rng)
+  params = decode_params(cfg, _variables(params))   # once, not per chunk
+  lines, offset = iter(sentences), 0
+  for k in itertools.count():
+    chunk = list(itertools.islice(lines, chunk_size))
+    if not chunk:
+      return
+    out = translate_nbest(params, cfg, tokenizer, chunk, strategy,
+                          rng=jax.random.fold_in(key, k), **kwargs)
+    yield offset, out._replace(truncated=[offset + i for i in out.truncated])
+    offset += len(chunk)
 
 
 def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],

@@ -6,8 +6,10 @@ whole file); one runs the real script with a pipe on standard input."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +174,107 @@ def test_the_real_script_reads_standard_input(workdir):
   out = p.stdout.decode("utf-8").split("\n")
   assert len(out) == 4 and out[1] == "" and out[3] == ""
   assert b"tokens/s" in p.stderr
+
+
+def test_chunks_write_the_same_lines_as_one_chunk(workdir, model, tmp_path, capsys):
+  _, _, tok = model
+  long = " ".join(["seventy-seven"] * 60)
+  lines = ["one hundred", "", "seven", long, "two hundred and twelve", "forty-one", long]
+  path = tmp_path / "in.txt"
+  path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  outs = []
+  for chunk in (2, 2048):
+    code, out, err = run(capsys, "--workdir", workdir, "--beam-size", 1, "--input", path,
+                         "--chunk-size", chunk)
+    assert code == 0, err
+    assert "7/7" in err and "7 lines" in err                     # one bar over all chunks
+    assert "2 input line(s)" in err and "(line 4, 7)" in err     # numbered from line 1
+    outs.append(out)
+  assert outs[0] == outs[1] and len(outs[0].split("\n")) == len(lines) + 1
+
+
+# Python installs its Ctrl-C handler only if SIGINT is not ignored, and it is ignored in
+# background jobs (e.g. a CI script run with &): the real script, with the handler.
+WITH_CTRL_C = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
+               "signal.default_int_handler); sys.argv = sys.argv[1:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _popen_decode(workdir, *argv, **kw):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(
+      [sys.executable, "-c", WITH_CTRL_C, str(ROOT / "decode.py"), "--workdir", str(workdir),
+       *map(str, argv)], env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, bufsize=0, **kw)
+
+
+def _readline(stream, seconds=120) -> bytes:
+  """The next line of a child's unbuffered output; fails rather than hang."""
+  import select
+  line, deadline = b"", time.time() + seconds
+  while not line.endswith(b"\n"):
+    if not select.select([stream], [], [], max(0.0, deadline - time.time()))[0]:
+      pytest.fail(f"no line of output in {seconds} s (so far: {line!r})")
+    byte = stream.read(1)
+    if not byte:
+      pytest.fail(f"output ended before a whole line (so far: {line!r})")
+    line += byte
+  return line
+
+
+def test_ctrl_c_keeps_the_lines_already_written(workdir, model, tmp_path, capsys):
+  """The real script, interrupted once its first chunk is out: it exits 130, and what it
+  wrote is whole lines, the translations of the first lines of the input."""
+  from num2words import num2words
+  lines = [num2words(n) for n in range(3000)]
+  path = tmp_path / "many.txt"
+  path.write_text("\n".join(lines) + "\n")
+  proc = _popen_decode(workdir, "--beam-size", 1, "--chunk-size", 4, "--no-progress",
+                       "--input", path)
+  try:
+    first = [_readline(proc.stdout) for _ in range(4)]   # waits for the first chunk
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  err = err.decode()
+  assert proc.returncode == 130, err[-2000:]
+  out = b"".join(first).decode() + rest.decode()
+  assert out.endswith("\n")
+  got = out.split("\n")[:-1]
+  assert f"interrupted: {len(got)} line(s) translated and written" in err.splitlines()[-1], err
+  assert 4 <= len(got) < len(lines) and len(got) % 4 == 0, err
+  code, want, err = run(capsys, "--workdir", workdir, "--beam-size", 1, *lines[:len(got)])
+  assert code == 0, err
+  assert got == want.split("\n")[:-1]
+
+
+def test_typed_lines_are_translated_as_they_are_entered(workdir, model, capsys):
+  """At a terminal (a pseudo-terminal here), each line's translation comes out before the
+  next line is typed."""
+  import pty
+  master, slave = pty.openpty()
+  proc = _popen_decode(workdir, "--beam-size", 1, stdin=slave)
+  os.close(slave)
+  try:
+    got = []
+    for sentence in ("seven", "one hundred"):
+      os.write(master, sentence.encode() + b"\n")
+      got.append(_readline(proc.stdout).decode())        # before any more input
+    os.write(master, b"\x04")                             # Ctrl-D: end of input
+    rest, err = proc.communicate(timeout=120)
+  finally:
+    os.close(master)
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 0 and rest == b"", err.decode()[-2000:]
+  code, want, _ = run(capsys, "--workdir", workdir, "--beam-size", 1, "seven", "one hundred")
+  assert "".join(got) == want
+  assert b"press Enter" in err and b"2 lines" in err
 
 
 # --- bad input ----------------------------------------------------------------------------

@@ -313,6 +313,39 @@ def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypa
     dec.translate_nbest(params, CFG, tok, [""], beam, max_len=CFG.max_len + 1)
 
 
+def test_translate_chunks_is_translate_nbest_chunk_by_chunk(params):
+  """Chunk k of the lazily read sentences is translate_nbest of those sentences at
+  fold_in(rng, k); indices of truncated sentences count from the first sentence."""
+  tok, strategy = _Chars(), Sample(temperature=2.0)
+  sentences = ["hello", "", "abc", "a" * 80, "xyz", "hi", "a" * 70]
+  read = []
+
+  def lazily():
+    for s in sentences:
+      read.append(s)
+      yield s
+
+  chunks = dec.translate_chunks(params, CFG, tok, lazily(), strategy, chunk_size=3, rng=5)
+  offset, first = next(chunks)
+  assert offset == 0 and len(read) == 3 and len(first.texts) == 3   # only one chunk read
+  got = [(offset, first)] + list(chunks)
+  assert [o for o, _ in got] == [0, 3, 6]
+  key = jax.random.key(5)
+  for k, (offset, out) in enumerate(got):
+    want = dec.translate_nbest(params, CFG, tok, sentences[offset:offset + 3], strategy,
+                               rng=jax.random.fold_in(key, k))
+    assert out.texts == want.texts and out.scores == want.scores
+    assert out.num_tokens == want.num_tokens
+    assert out.truncated == [offset + i for i in want.truncated]
+  assert [i for _, out in got for i in out.truncated] == [3, 6]
+  # A chunk's draw does not depend on what follows it.
+  again = next(dec.translate_chunks(params, CFG, tok, sentences[:3], strategy,
+                                    chunk_size=3, rng=5))
+  assert again[1].texts == got[0][1].texts
+  with pytest.raises(UserError, match="chunk_size must be >= 1"):
+    next(dec.translate_chunks(params, CFG, tok, sentences, strategy, chunk_size=0))
+
+
 @pytest.mark.parametrize("flags, want", [
     (dict(), Beam(4, 0.6, 1)),
     (dict(beam_size=8, alpha=1.0, n_best=3), Beam(8, 1.0, 3)),
@@ -765,3 +798,4 @@ def test_decode_params_casts_the_matrices_but_not_embeddings_or_vectors(params):
     kinds.add((name, x.dtype == jnp.bfloat16))
   assert {("embedding", False), ("kernel", True), ("bias", False)} <= kinds
   assert dec.decode_params(CFG, params) is params        # float32: nothing to do
+  assert dec.decode_params(cfg, cast) is cast            # already cast: nothing to do
