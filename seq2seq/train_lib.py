@@ -341,8 +341,17 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   """Trains (or resumes) `cfg` in `workdir`. Returns the final metrics."""
   from seq2seq.data import load_dataset
   t_start = time.time()
-  cfg = prepare_workdir(cfg, workdir)
-  ds = load_dataset(cfg, workdir)
+  made = [d for d in (Path(workdir), *Path(workdir).parents) if not d.exists()]
+  try:
+    cfg = prepare_workdir(cfg, workdir)
+    ds = load_dataset(cfg, workdir)
+  except BaseException:   # e.g. a misspelt dataset: leave no empty workdir behind
+    for d in made:        # deepest first; stops at the first that holds something
+      try:
+        d.rmdir()
+      except OSError:
+        break
+    raise
   cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
   if _is_main():
     ckpt_lib.write_config(workdir, cfg)

@@ -307,10 +307,11 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, 
      "--process_id must be in [0, 2)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
-  code = train_script.main(["--workdir", str(tmp_path / "w"), "--no_progress", *argv])
+  code = train_script.main(["--workdir", str(tmp_path / "runs" / "w"), "--no_progress", *argv])
   err = capsys.readouterr().err.strip()
   assert code == 2
   assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+  assert list(tmp_path.iterdir()) == []     # no empty workdir (nor its parent) left behind
 
 
 @pytest.mark.parametrize("name", ["SEQ2SEQ_DIST_TIMEOUT", "SEQ2SEQ_HEARTBEAT_TIMEOUT"])
