@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_python_train_py_learns_the_numbers(tmp_path):
   env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds")}
   wd = tmp_path / "run"
-  subprocess.run([sys.executable, "train.py", "--workdir", str(wd), "--no_progress"],
-                 cwd=ROOT, env=env, check=True, timeout=1200, capture_output=True)
+  p = subprocess.run([sys.executable, "train.py", "--workdir", str(wd), "--no_progress"],
+                     cwd=ROOT, env=env, check=True, timeout=1200, capture_output=True,
+                     text=True)
+  # The embedded dataset is built here, once, with nothing downloaded; stdout has only the
+  # summary.
+  assert p.stderr.startswith(f"building the dataset in {tmp_path / 'tfds'}"), p.stderr[:500]
+  assert "Download" not in p.stdout + p.stderr
+  assert p.stdout.startswith("trained to step 300"), p.stdout[:500]
   metrics = [json.loads(line) for line in open(wd / "metrics.jsonl")]
   test = [m for m in metrics if m["split"] == "test"][-1]
   assert test["step"] == 300 and test["examples"] == 1002

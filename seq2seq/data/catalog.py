@@ -6,8 +6,11 @@ missing optional dependencies) the failure is a one-line `UserError`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
+import time
 
 import tensorflow_datasets as tfds
 
@@ -84,8 +87,16 @@ def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
   reason = _offline_reason() if downloads else ""
   if reason:
     raise UserError(f"{where} ({reason}); {hint}")
+  start = time.perf_counter()
+  if not downloads:  # TFDS would announce "Downloading and preparing dataset Unknown size"
+    builder._log_download_bytes = builder._log_download_done = lambda: None
+    print(f"building the dataset in {builder.data_dir} (once: later runs reuse it)",
+          file=sys.stderr, flush=True)
   try:
-    builder.download_and_prepare()
+    with contextlib.redirect_stdout(sys.stderr):  # TFDS's messages: stdout is for results
+      builder.download_and_prepare()
   except Exception as e:  # noqa: BLE001 - network, checksum, missing dependency, ...
     reason = (str(e).strip().splitlines() or [""])[0][:200]
     raise UserError(f"{where} ({type(e).__name__}: {reason}); {hint}") from None
+  if not downloads:
+    print(f"built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
