@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import tensorflow_datasets as tfds
 
@@ -90,6 +91,10 @@ def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
   start = time.perf_counter()
   if not downloads:  # TFDS would announce "Downloading and preparing dataset Unknown size"
     builder._log_download_bytes = builder._log_download_done = lambda: None
+    try:   # an unwritable data_dir: the one-line error, without a "building" line first
+      Path(builder.data_dir).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise UserError(f"{where} ({e.strerror or e}); {hint}") from None
     print(f"building the dataset in {builder.data_dir} (once: later runs reuse it)",
           file=sys.stderr, flush=True)
   try:
