@@ -521,7 +521,8 @@ def decode_params(cfg: TransformerConfig, params):
   reading the weights, so a bf16 model decodes from bf16 copies. `decode` makes them once
   per call; callers that decode many batches (`translate_nbest`) make them once and pass
   them in. Embedding tables keep their dtype: they are only looked up (and XLA:CPU would
-  widen a whole bf16 table to f32 for each call's lookups); the head casts its own copy."""
+  widen a whole bf16 table to f32 for each call's lookups); the head casts its own copy.
+  Params already cast come back as they are."""
   def done(path, x):
     return x.ndim < 2 or getattr(path[-1], "key", None) == "embedding" or x.dtype == cfg.dtype
   leaves = jax.tree_util.tree_leaves_with_path(params)
