@@ -4,6 +4,7 @@
   python decode.py --workdir runs/bible --input test.en > test.fr
   cat test.en | python decode.py --workdir runs/bible --top-p 0.9 --seed 1
   python decode.py --workdir runs/bible --n-best 4 "In the beginning"
+  python decode.py --workdir runs/bible --input test.en --reference test.fr > test.hyp.fr
 
 Everything (model config, parameters, SentencePiece vocabulary) comes from the workdir.
 """
@@ -26,7 +27,10 @@ output: one translation per line on standard output; with --n-best N (beam searc
   0; score = log-probability / length penalty; an empty input gives one line, score 0).
   Lines are written as each chunk of --chunk-size lines is done; an interrupted run keeps
   them. Typed at a terminal, each line is translated when Enter is pressed.
-  A progress bar (file or standard input) and the speed go to standard error."""
+  A progress bar (file or standard input) and the speed go to standard error.
+scoring: --reference FILE (one reference line per input line) prints the corpus BLEU and
+  chrF (sacreBLEU, its default 13a tokenisation) and the exact-match rate of the 1-best
+  translations to standard error at the end."""
 
 
 def parse_args(argv):
@@ -57,6 +61,9 @@ def parse_args(argv):
                  help="translate and write this many lines at a time, so output comes as "
                  "it is ready and an interrupted run keeps it (default: %(default)s; "
                  "lines are sorted by length within a chunk)")
+  p.add_argument("--reference", default=None, metavar="FILE",
+                 help="score the translations against FILE, one reference per input "
+                 "line: BLEU, chrF and exact match on standard error")
   p.add_argument("--no-progress", "--no_progress", dest="no_progress", action="store_true",
                  help="no progress bar")
   return p.parse_args(argv)
@@ -83,16 +90,35 @@ def typed_lines(stream):
     yield line.removesuffix("\n").removesuffix("\r")
 
 
-def write(out, first: int, n_best: int | None):
-  """One chunk's translations on standard output, flushed: they survive an interrupt."""
-  rows = []
-  for i, (texts, scores) in enumerate(zip(out.texts, out.scores), first):
-    if n_best is None:
-      rows.append(_one_line(texts[0]))
-    else:
-      rows += [f"{i}\t{score:.4f}\t{_one_line(text)}" for text, score in zip(texts, scores)]
+def write(out, first: int, n_best: int | None) -> list[str]:
+  """One chunk's translations on standard output, flushed: they survive an interrupt.
+  Returns the 1-best lines as written."""
+  best = [_one_line(texts[0]) for texts in out.texts]
+  rows = best if n_best is None else [
+      f"{i}\t{score:.4f}\t{_one_line(text)}"
+      for i, (texts, scores) in enumerate(zip(out.texts, out.scores), first)
+      for text, score in zip(texts, scores)]
   sys.stdout.write("".join(row + "\n" for row in rows))
   sys.stdout.flush()
+  return best
+
+
+def read_references(path, num_lines: int) -> list[str]:
+  """The lines of --reference FILE, which must match the input line for line."""
+  from seq2seq.decoding import read_lines
+  from seq2seq.errors import UserError
+  refs = read_lines(path)
+  if len(refs) != num_lines:
+    raise UserError(f"--reference {path} has {len(refs)} line(s), the input {num_lines}")
+  return refs
+
+
+def score_line(hypotheses: list[str], references: list[str], path) -> str:
+  from seq2seq import metrics
+  return (f"BLEU {metrics.bleu(hypotheses, references):.2f}, "
+          f"chrF {metrics.chrf(hypotheses, references):.2f}, "
+          f"exact match {100 * metrics.exact_match(hypotheses, references):.1f}% "
+          f"against {path} ({len(references)} lines; sacreBLEU, 13a)")
 
 
 @contextlib.contextmanager
@@ -136,15 +162,20 @@ def main(argv=None) -> int:
     elif args.input not in (None, "-"):
       lines = decoding.read_lines(args.input)
     elif sys.stdin.isatty():                    # someone typing: answer each line
+      if args.reference is not None:
+        raise UserError("--reference needs the input as --input FILE, SENTENCE arguments "
+                        "or piped standard input, not typed lines")
       print("type a sentence and press Enter (end with Ctrl-D)", file=sys.stderr)
       lines, args.chunk_size, args.no_progress = typed_lines(sys.stdin), 1, True
     else:
       lines = decoding.read_lines(getattr(sys.stdin, "buffer", sys.stdin))
+    if args.reference is not None:
+      references = read_references(args.reference, len(lines))
     bar = None
     if not args.sentences and not args.no_progress:
       from tqdm.auto import tqdm
       bar = tqdm(total=len(lines), unit="line", file=sys.stderr, dynamic_ncols=True)
-    start, done, num_tokens, truncated = time.perf_counter(), 0, 0, []
+    start, done, num_tokens, truncated, hypotheses = time.perf_counter(), 0, 0, [], []
     chunks = decoding.translate_chunks(
         params, cfg.model, tokenizer, lines, strategy, chunk_size=args.chunk_size,
         batch_size=args.batch_size, max_len=args.max_len, rng=args.seed,
@@ -154,7 +185,7 @@ def main(argv=None) -> int:
         with ctrl_c_waits():
           if bar is not None:
             bar.clear()
-          write(out, done, args.n_best)
+          hypotheses += write(out, done, args.n_best)
           done += len(out.texts)
         num_tokens += out.num_tokens
         truncated += out.truncated
@@ -179,6 +210,8 @@ def main(argv=None) -> int:
           f"{cfg.model.max_len} tokens were truncated (line {shown}{more})", file=sys.stderr)
   print(f"{done} lines, {num_tokens} tokens generated in {seconds:.2f} s "
         f"({num_tokens / max(seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
+  if args.reference is not None:
+    print(score_line(hypotheses, references, args.reference), file=sys.stderr)
   return 0
 
 

@@ -164,6 +164,56 @@ def test_checkpoint_step_and_max_len(workdir, capsys):
   assert latest == outs[10]
 
 
+def test_reference_scores_the_one_best_lines_with_sacrebleu(workdir, tmp_path, capsys):
+  """--reference: BLEU, chrF and exact match of the 1-best lines (with --n-best too) equal
+  sacreBLEU's own on the lines written. Half the references are the model's own output, so
+  the scores are far from 0 and from 100."""
+  import sacrebleu
+  from num2words import num2words
+  numbers = [7, 100, 212, 41, 999, 3000]
+  path = tmp_path / "in.en"
+  path.write_text("".join(num2words(n) + "\n" for n in numbers))
+  code, hyps, err = run(capsys, "--workdir", workdir, "--input", path, "--no-progress")
+  assert code == 0, err
+  hyps = hyps.splitlines()
+  refs = [h if i % 2 else num2words(n, lang="fr") for i, (n, h) in enumerate(zip(numbers, hyps))]
+  ref_path = tmp_path / "ref.fr"
+  ref_path.write_text("".join(r + "\n" for r in refs))
+  for extra in ([], ["--n-best", 2]):
+    code, out, err = run(capsys, "--workdir", workdir, "--input", path, "--no-progress",
+                         "--reference", ref_path, *extra)
+    assert code == 0, err
+    best = out.splitlines() if not extra else [r.split("\t")[2] for r in out.splitlines()][::2]
+    assert best == hyps
+    exact = sum(h.strip() == r.strip() for h, r in zip(hyps, refs)) / len(refs)
+    assert 0.5 <= exact < 1
+    want = (f"BLEU {sacrebleu.corpus_bleu(hyps, [refs]).score:.2f}, "
+            f"chrF {sacrebleu.corpus_chrf(hyps, [refs]).score:.2f}, "
+            f"exact match {100 * exact:.1f}% against {ref_path} (6 lines; sacreBLEU, 13a)")
+    assert err.splitlines()[-1] == want, err
+
+
+def test_reference_must_match_the_input(workdir, tmp_path, capsys, monkeypatch):
+  """A reference of another length, a missing one, or typed input (a real pseudo-terminal
+  on standard input) is one line on stderr, exit 2, before anything is translated."""
+  import pty
+  ref = tmp_path / "ref.fr"
+  ref.write_text("sept\ncent\n")
+  assert_user_error(*run(capsys, "--workdir", workdir, "--reference", ref, "seven"),
+                    f"--reference {ref} has 2 line(s), the input 1")
+  assert_user_error(*run(capsys, "--workdir", workdir, "--reference", tmp_path / "no.fr",
+                         "seven"), f"cannot read {tmp_path / 'no.fr'}")
+  master, slave = pty.openpty()
+  try:
+    with os.fdopen(slave, "r", closefd=False) as tty:
+      monkeypatch.setattr(sys, "stdin", tty)
+      assert_user_error(*run(capsys, "--workdir", workdir, "--reference", ref),
+                        "--reference needs the input as --input FILE")
+  finally:
+    os.close(master)
+    os.close(slave)
+
+
 def test_the_real_script_reads_standard_input(workdir):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
