@@ -1,7 +1,7 @@
 """Train a Transformer. `python train.py` trains the default model on the embedded
 English→French numbers task; see `python train.py --help` for everything else.
 
-  python train.py --workdir runs/bible --config small --dataset parallel_text \\
+  python train.py --workdir runs/bible --config small_cpu \\
       --train_files ../shared/corpora/bible_web_lsg/train \\
       --validation_files ../shared/corpora/bible_web_lsg/validation --tgt_lang fr
   python train.py --config base --dataset wmt14_translate/de-en --config.train.steps=100000
@@ -22,7 +22,9 @@ def parse_args(argv):
   p = ArgumentParser(description=__doc__.split(";")[0], epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", default="runs/default", help="where everything is written (default: %(default)s)")
-  p.add_argument("--config", default=None, help="numbers (default), tiny, small, base or big")
+  p.add_argument("--config", default=None,
+                 help="numbers (default), tiny, small, base, big, or small_cpu (the small "
+                      "model on your own parallel text, ~30 min on a CPU)")
   p.add_argument("--dataset", default=None,
                  help="numbers (embedded), parallel_text, or a TFDS name such as wmt14_translate/de-en")
   p.add_argument("--data_dir", default=None, help="TFDS data directory")
