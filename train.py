@@ -18,13 +18,14 @@ multi-host: run one process per host with --coordinator_address HOST:PORT
 
 
 def parse_args(argv):
+  from seq2seq.config import EXPERIMENTS
   from seq2seq.errors import ArgumentParser
   p = ArgumentParser(description=__doc__.split(";")[0], epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", default="runs/default", help="where everything is written (default: %(default)s)")
   p.add_argument("--config", default=None,
-                 help="numbers (default), tiny, small, base, big, or small_cpu (the small "
-                      "model on your own parallel text, ~30 min on a CPU)")
+                 help=f"one of {', '.join(EXPERIMENTS)} (default numbers; small_cpu: the "
+                      "small model on your own parallel text, ~30 min on a CPU)")
   p.add_argument("--dataset", default=None,
                  help="numbers (embedded), parallel_text, or a TFDS name such as wmt14_translate/de-en")
   p.add_argument("--data_dir", default=None, help="TFDS data directory")
