@@ -136,14 +136,14 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5, help="warm calls timed (cached)")
   ap.add_argument("--full_repeats", type=int, default=1, help="warm calls timed (full)")
   ap.add_argument("--dtype", default="float32", help="compute dtype (float32 or bfloat16)")
-  ap.add_argument("--xla_defaults", action="store_true",
-                  help="compile the f32 loop with XLA's default CPU options (YNNPACK on), "
-                       "to A/B decoding.CPU_F32_DECODE_OPTIONS on a new machine")
+  ap.add_argument("--f32_dots", default="auto", choices=("auto", "xla", "ynnpack"),
+                  help="the f32 loop's dots on CPU: auto = XLA's own dot emitter without "
+                       "AVX-512, YNNPACK (XLA's default) with it; xla or ynnpack force one, to "
+                       "A/B decoding.cpu_f32_decode_options on a new machine")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "decode.json"))
   args = ap.parse_args(argv)
-  if args.xla_defaults:
-    decoding.CPU_F32_DECODE_OPTIONS = {}
+  decoding.F32_DOTS = args.f32_dots
 
   rows, cfgs = [], {}
   for name in args.models.split(","):
@@ -186,7 +186,7 @@ def main(argv=None):
           f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s}")
   print(f"\nDecode speed: src_len {args.src_len}, {args.new_tokens} new tokens, "
         f"dtype {args.dtype}, jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"XLA options of the f32 loop {decoding.CPU_F32_DECODE_OPTIONS or 'default'}, "
+        f"XLA options of the f32 loop {decoding.cpu_f32_decode_options() or 'default'}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
         f"Measured in this run: matmul peak {peak['flops_per_s'] / 1e9:.0f} GFLOP/s "
         f"({args.dtype}, {peak['n']}^3), read bandwidth "
@@ -224,7 +224,7 @@ def main(argv=None):
               jax=jax.__version__, device=jax.devices()[0].device_kind,
               cpu_count=os.cpu_count(), machine=platform.machine(),
               load_avg=os.getloadavg(), args=vars(args),
-              cpu_f32_decode_options=decoding.CPU_F32_DECODE_OPTIONS,
+              cpu_f32_decode_options=decoding.cpu_f32_decode_options(),
               matmul_peak=peak, read_bandwidth=bandwidth, cost_formula=COST_FORMULA)
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, results=rows), f, indent=2)

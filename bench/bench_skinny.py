@@ -8,8 +8,9 @@ A cached decode step multiplies N rows (batch x beams: 8, 16, 32 or 64 in bench_
 by every decoder layer's FFN weights. This times exactly that chain, one FFN per decoder
 layer of the preset (x <- x + relu(x W1) W2, distinct weights, so they stream from memory
 as in the decode loop), three ways:
-  xla_decode   jitted with the f32 decode loop's options (decoding.CPU_F32_DECODE_OPTIONS)
-  xla_default  jitted with XLA's default CPU options (YNNPACK fusions)
+  xla_dots     jitted with XLA's own dot emitter (decoding.XLA_DOTS: the f32 decode loop's
+               options on CPUs without AVX-512)
+  ynnpack      jitted with XLA's default CPU options (YNNPACK fusions; the loop's with AVX-512)
   numpy        NumPy's matmul (its BLAS: OpenBLAS in the wheels), float32
 and prints GFLOP/s and weight GB/s beside the matmul peak and the read bandwidth measured in
 the same run. If a well-tuned BLAS is no faster than XLA on these shapes, the gap between
@@ -48,6 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import STRATEGIES, TARGETS, WORKLOADS, read_bandwidth, step_cost  # noqa: E402
 from bench_train import matmul_peak  # noqa: E402
 
+LOOP = "xla_dots" if decoding.cpu_f32_decode_options() else "ynnpack"   # the decode loop's
+
 
 def ffn_chain(x, layers):
   for w1, w2 in layers:
@@ -85,9 +88,8 @@ def measure(d: int, d_ff: int, n_layers: int, rows: int, repeats: int) -> dict:
   x = jax.random.normal(keys[-1], (rows, d))
   np_layers = [(np.asarray(a), np.asarray(b)) for a, b in layers]
   np_x = np.asarray(x)
-  xla = {"xla_decode": jax.jit(ffn_chain, compiler_options=decoding.CPU_F32_DECODE_OPTIONS
-                               or None),
-         "xla_default": jax.jit(ffn_chain)}
+  xla = {"xla_dots": jax.jit(ffn_chain, compiler_options=decoding.XLA_DOTS),
+         "ynnpack": jax.jit(ffn_chain)}
   ref = ffn_chain_numpy(np_x.astype(np.float64), [(a.astype(np.float64), b.astype(np.float64))
                                                    for a, b in np_layers])
   runs = {name: (lambda f=f: f(x, layers).block_until_ready()) for name, f in xla.items()}
@@ -125,7 +127,7 @@ def ceilings(results: list[dict]) -> list[dict]:
     out.append(dict(model=model, strategy=strategy, rows=r["rows"], target_tokens_per_s=target,
                     **{name: ceiling_tokens_per_s(cfg, w["batch"], beams,
                                                   r[name]["flops_per_s"])
-                       for name in ("xla_decode", "numpy")}))
+                       for name in (LOOP, "numpy")}))
   return out
 
 
@@ -148,27 +150,27 @@ def main(argv=None):
   peak = matmul_peak("float32")
   bandwidth = read_bandwidth()
 
-  names = ("xla_decode", "xla_default", "numpy")
+  names = ("xla_dots", "ynnpack", "numpy")
   print(f"Decoder FFN chain x <- x + relu(x W1) W2, float32, jax {jax.__version__}, "
         f"numpy {np.__version__}, {os.cpu_count()} CPUs")
   print(f"Measured in this run: matmul peak {peak['flops_per_s'] / 1e9:.0f} GFLOP/s (2048^3), "
         f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (sum over 256 MB)")
   print(f"{'preset':6s} {'rows':>4s} {'weights':>8s}  " +
-        "  ".join(f"{n + ' GFLOP/s':>19s} {'GB/s':>5s}" for n in names) + f"  {'numpy/xla':>9s}")
+        "  ".join(f"{n + ' GFLOP/s':>19s} {'GB/s':>5s}" for n in names) + f"  {'numpy/' + LOOP:>15s}")
   print("-" * 108)
   for r in results:
     cells = "  ".join(f"{r[n]['flops_per_s'] / 1e9:19.1f} {r[n]['bytes_per_s'] / 1e9:5.1f}"
                       for n in names)
     print(f"{r['preset']:6s} {r['rows']:4d} {r['weight_bytes'] / 2 ** 20:6.1f}MB  {cells}  "
-          f"{r['xla_decode']['s'] / r['numpy']['s']:8.2f}x")
+          f"{r[LOOP]['s'] / r['numpy']['s']:14.2f}x")
   limits = ceilings(results)
   if limits:
-    print("\nDecode ceiling if every matmul of the step ran at the rate above "
-          "(bench_decode.py workloads, tokens/s):")
-    print(f"{'model':6s} {'strategy':8s} {'rows':>4s} {'xla_decode':>10s} {'numpy':>7s} "
+    print(f"\nDecode ceiling if every matmul of the step ran at the rate above ({LOOP}: the "
+          f"f32 decode loop's dots on this CPU; bench_decode.py workloads, tokens/s):")
+    print(f"{'model':6s} {'strategy':8s} {'rows':>4s} {LOOP:>10s} {'numpy':>7s} "
           f"{'target':>6s}")
     for c in limits:
-      print(f"{c['model']:6s} {c['strategy']:8s} {c['rows']:4d} {c['xla_decode']:10.0f} "
+      print(f"{c['model']:6s} {c['strategy']:8s} {c['rows']:4d} {c[LOOP]:10.0f} "
             f"{c['numpy']:7.0f} {c['target_tokens_per_s']:6d}")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

@@ -461,7 +461,7 @@ def _repeat_rows(tree, n: int):
 def head_DxV(cfg: TransformerConfig, params):
   """The output head's weights as [D, V] in the compute dtype (and bias [V] or None), laid
   out once per decode call, so that every step's head is a plain [N, D]·[D, V] dot. XLA:CPU's
-  own dot emitter (which the f32 loop uses, see `CPU_F32_DECODE_OPTIONS`) runs the tied
+  own dot emitter (which the f32 loop uses without AVX-512, see `XLA_DOTS`) runs the tied
   [V, D]ᵀ form of it ~3x slower. (Row-major: else XLA casts the table in one pass and
   transposes it in a second.)"""
   w, b_V, w_is_VxD = head_weights(cfg, params)
@@ -565,11 +565,39 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
 # the loop's dots (a few rows times a [D, F] matrix each) to XLA's own dot emitter. With the
 # [D, V] head, 7 interleaved runs of `python bench/bench_decode.py --modes cached` against
 # the previous loop on an AVX2 Zen 3 (issue 7): greedy 1.46x (small) and 1.16x (base),
-# beam 4 1.00x (small) and 1.14x (base), medians. Training keeps the default: its large
-# transposed dots are faster with YNNPACK. bfloat16 keeps the default too: no gain measured
-# here (no bf16 hardware), and it is the default that ran bf16 fast on machines that have
-# it. {} turns this off (`bench_decode.py --xla_defaults`).
-CPU_F32_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# beam 4 1.00x (small) and 1.14x (base), medians. On an AVX-512 EPYC, XLA's default
+# (YNNPACK) was faster instead: 8 in-process pairs, twice, gave base greedy 1.06-1.07x,
+# base beam 4 1.09-1.12x, small beam 4 1.04-1.10x, small greedy 0.91-0.98x, same tokens.
+# So these options apply on CPUs without AVX-512 (`cpu_f32_decode_options`). Training keeps
+# the default: its large transposed dots are faster with YNNPACK. bfloat16 keeps the
+# default too. `bench_decode.py --f32_dots` compares the two on a new machine.
+XLA_DOTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+F32_DOTS = "auto"   # or "xla" (XLA_DOTS) or "ynnpack" (XLA's defaults): for benchmarks
+
+
+def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
+  """Whether the CPU lists avx512f among its flags (Linux's /proc/cpuinfo; False where that
+  cannot be read)."""
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    except OSError:
+      return False
+  return any(line.startswith("flags") and "avx512f" in line.split()
+             for line in cpuinfo.splitlines())
+
+
+def cpu_f32_decode_options() -> dict:
+  """The XLA:CPU compiler options of the float32 decode loop: XLA_DOTS or {} (defaults)."""
+  _check(F32_DOTS in ("auto", "xla", "ynnpack"),
+         f"F32_DOTS must be auto, xla or ynnpack, got {F32_DOTS!r}")
+  if F32_DOTS == "auto":
+    return {} if _AVX512 else XLA_DOTS
+  return XLA_DOTS if F32_DOTS == "xla" else {}
+
+
+_AVX512 = cpu_has_avx512()
 
 
 @functools.cache
@@ -582,7 +610,7 @@ def _decode_jit(options: tuple = ()):
 def decode_jit_for(cfg: TransformerConfig):
   """The jitted decode function `decode` calls for this config on the default backend."""
   cpu_f32 = jax.default_backend() == "cpu" and cfg.dtype == "float32"
-  return _decode_jit(tuple(sorted(CPU_F32_DECODE_OPTIONS.items())) if cpu_f32 else ())
+  return _decode_jit(tuple(sorted(cpu_f32_decode_options().items())) if cpu_f32 else ())
 
 
 def _as_key(rng):

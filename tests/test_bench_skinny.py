@@ -13,7 +13,7 @@ def test_measure_counts_the_chain_and_times_all_three():
   r = bench_skinny.measure(d=32, d_ff=48, n_layers=3, rows=5, repeats=1)
   assert r["flops"] == 2 * 5 * 3 * (32 * 48 + 48 * 32)
   assert r["weight_bytes"] == 4 * 3 * (32 * 48 + 48 * 32)
-  for name in ("xla_decode", "xla_default", "numpy"):
+  for name in ("xla_dots", "ynnpack", "numpy"):
     assert r[name]["s"] > 0
     assert r[name]["flops_per_s"] == pytest.approx(r["flops"] / r[name]["s"])
 
@@ -24,7 +24,7 @@ def test_measure_rejects_a_chain_that_computes_something_else(monkeypatch):
       x = x + (x @ w1) @ w2
     return x
   monkeypatch.setattr(bench_skinny, "ffn_chain", no_relu)
-  with pytest.raises(AssertionError, match="xla_decode"):
+  with pytest.raises(AssertionError, match="xla_dots"):
     bench_skinny.measure(d=32, d_ff=48, n_layers=2, rows=4, repeats=1)
 
 
@@ -37,11 +37,14 @@ def test_decode_ceiling_is_the_roofline_with_unlimited_bandwidth():
                                peak_flops=rate, bandwidth=float("inf"))
   assert bench_skinny.ceiling_tokens_per_s(cfg, 16, 4, rate) == pytest.approx(
       roof["limit_tokens_per_s"])
-  # ceilings() picks each workload's row count (batch x beams) from the measured rows.
-  fake = [dict(preset="small", rows=n, xla_decode=dict(flops_per_s=rate),
-               numpy=dict(flops_per_s=2 * rate)) for n in (16, 64)]
+  # ceilings() picks each workload's row count (batch x beams) from the measured rows, and
+  # the rate of the dots the f32 decode loop uses on this CPU (bench_skinny.LOOP).
+  other = "ynnpack" if bench_skinny.LOOP == "xla_dots" else "xla_dots"
+  fake = [dict(preset="small", rows=n, numpy=dict(flops_per_s=2 * rate),
+               **{bench_skinny.LOOP: dict(flops_per_s=rate), other: dict(flops_per_s=9 * rate)})
+          for n in (16, 64)]
   got = {(c["model"], c["strategy"]): c for c in bench_skinny.ceilings(fake)}
   assert set(got) == {("small", "greedy"), ("small", "beam4")}
   assert got[("small", "beam4")]["rows"] == 64
-  assert got[("small", "beam4")]["xla_decode"] == pytest.approx(roof["limit_tokens_per_s"])
+  assert got[("small", "beam4")][bench_skinny.LOOP] == pytest.approx(roof["limit_tokens_per_s"])
   assert got[("small", "beam4")]["numpy"] == pytest.approx(2 * roof["limit_tokens_per_s"])

@@ -193,6 +193,36 @@ def test_params_are_an_argument_not_a_constant(params, ref, greedy):
   np.testing.assert_array_equal(c.tokens, a.tokens[::-1])
 
 
+@pytest.mark.parametrize("dots", ["xla", "ynnpack"])
+def test_f32_loop_decodes_the_same_with_either_dot_library(params, ref, greedy, beam, dots,
+                                                           monkeypatch):
+  """The f32 loop's dots go to XLA's own emitter (no AVX-512) or to YNNPACK (AVX-512)."""
+  monkeypatch.setattr(dec, "F32_DOTS", dots)
+  assert dec.cpu_f32_decode_options() == (dec.XLA_DOTS if dots == "xla" else {})
+  g = _greedy(params, ref["src"], ref["eos"])
+  b = dec.decode(CFG, params, ref["src"], BEAM, eos_id=ref["eos"], **BEAM_KW)
+  np.testing.assert_array_equal(g.tokens, greedy.tokens)
+  np.testing.assert_allclose(g.logits, greedy.logits, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(b.tokens, beam.tokens)
+  np.testing.assert_allclose(b.scores, beam.scores, atol=1e-5, rtol=0)
+  if jax.default_backend() == "cpu":
+    hlo = dec.decode_jit_for(CFG).lower(
+        params, jnp.asarray(ref["src"]), jax.random.key(0), cfg=CFG, strategy=Greedy(),
+        max_len=16, per_row_limit=False, bos_id=BOS, eos_id=ref["eos"], pad_id=PAD,
+        min_len=0, full_recompute=False, return_logits=False).compile().as_text()
+    assert ("__ynn_fusion" in hlo) == (dots == "ynnpack")
+
+
+def test_cpu_has_avx512_reads_the_flags_line(monkeypatch):
+  assert dec.cpu_has_avx512("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+  assert not dec.cpu_has_avx512("flags\t\t: fpu sse2 avx2 avx512_bf16\n")     # no avx512f
+  assert not dec.cpu_has_avx512("model name\t: avx512f\nflags\t\t: fpu avx2\n")
+  assert not dec.cpu_has_avx512("")
+  monkeypatch.setattr(dec, "F32_DOTS", "eigen")
+  with pytest.raises(UserError, match="F32_DOTS must be auto, xla or ynnpack"):
+    dec.cpu_f32_decode_options()
+
+
 class _Chars:
   """A tokenizer stand-in: each letter a-z is one id (3 + index); BOS 1, EOS 2, PAD 0."""
   bos_id, eos_id, pad_id = 1, 2, 0
