@@ -567,7 +567,7 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
 # the previous loop on an AVX2 Zen 3 (issue 7): greedy 1.46x (small) and 1.16x (base),
 # beam 4 1.00x (small) and 1.14x (base), medians. On an AVX-512 EPYC, XLA's default
 # (YNNPACK) was faster instead: 8 in-process pairs, twice, gave base greedy 1.06-1.07x,
-# base beam 4 1.09-1.12x, small beam 4 1.04-1.10x, small greedy 0.91-0.98x, same tokens.
+# base beam 4 1.09-1.12x, small beam 4 1.04-1.10x, small greedy 0.91-1.00x, same tokens.
 # So these options apply on CPUs without AVX-512 (`cpu_f32_decode_options`). Training keeps
 # the default: its large transposed dots are faster with YNNPACK. bfloat16 keeps the
 # default too. `bench_decode.py --f32_dots` compares the two on a new machine.
@@ -588,6 +588,9 @@ def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
              for line in cpuinfo.splitlines())
 
 
+_AVX512 = cpu_has_avx512()
+
+
 def cpu_f32_decode_options() -> dict:
   """The XLA:CPU compiler options of the float32 decode loop: XLA_DOTS or {} (defaults)."""
   _check(F32_DOTS in ("auto", "xla", "ynnpack"),
@@ -595,9 +598,6 @@ def cpu_f32_decode_options() -> dict:
   if F32_DOTS == "auto":
     return {} if _AVX512 else XLA_DOTS
   return XLA_DOTS if F32_DOTS == "xla" else {}
-
-
-_AVX512 = cpu_has_avx512()
 
 
 @functools.cache
