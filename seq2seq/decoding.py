@@ -588,7 +588,9 @@ def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
              for line in cpuinfo.splitlines())
 
 
-_AVX512 = cpu_has_avx512()
+@functools.cache
+def _this_cpu_has_avx512() -> bool:
+  return cpu_has_avx512()
 
 
 def cpu_f32_decode_options() -> dict:
@@ -596,7 +598,7 @@ def cpu_f32_decode_options() -> dict:
   _check(F32_DOTS in ("auto", "xla", "ynnpack"),
          f"F32_DOTS must be auto, xla or ynnpack, got {F32_DOTS!r}")
   if F32_DOTS == "auto":
-    return {} if _AVX512 else XLA_DOTS
+    return {} if _this_cpu_has_avx512() else XLA_DOTS
   return XLA_DOTS if F32_DOTS == "xla" else {}
 
 
