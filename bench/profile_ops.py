@@ -12,7 +12,9 @@ the compiled HLO, whose metadata names the code that produced it
 location with layer indices merged (`layers_*`) and marks backward-pass ops (`bwd`).
 `ops` is the sum of op durations: with 2 threads it may exceed the wall time; `busy` is
 the wall time covered by at least one op, so 1 - busy is time between ops (executor
-overhead, Python, waiting).
+overhead, Python, waiting). XLA runs independent ops side by side, and two that share the
+cores each take longer than alone: the `share` column splits every moment between the ops
+running then, so it adds up to the busy time and says what an op costs the step.
 
 Tracing has a cost: small ops come out up to ~2x longer than untraced, so use the table to
 rank where time goes and confirm a change with bench_train.py / bench_decode.py.
@@ -62,6 +64,25 @@ def location(op_name: str) -> str:
   return ("bwd " if bwd else "") + label
 
 
+def wall_shares(spans: list[tuple[float, float]]) -> tuple[list[float], float]:
+  """Each [start, end) span's share of the wall time: while n spans run at once, each is
+  charged 1/n of that time. The shares add up to the busy time (the union of the spans),
+  which is also returned. Two dots that run side by side on two cores each take about
+  twice as long as alone; their shares show what each actually costs the step."""
+  edges = sorted({t for span in spans for t in span})
+  starts = collections.defaultdict(list)
+  for i, (s, _) in enumerate(spans):
+    starts[s].append(i)
+  shares, active, busy = [0.0] * len(spans), set(), 0.0
+  for t0, t1 in zip(edges, edges[1:]):
+    active = {i for i in active.union(starts.get(t0, ())) if spans[i][1] > t0}
+    if active:
+      busy += t1 - t0
+      for i in active:
+        shares[i] += (t1 - t0) / len(active)
+  return shares, busy
+
+
 def summarize(trace_path: str, index: dict, iters: int, wall_s: float, top: int) -> str:
   with gzip.open(trace_path) as f:
     trace = json.load(f)
@@ -69,46 +90,43 @@ def summarize(trace_path: str, index: dict, iters: int, wall_s: float, top: int)
   ops = [e for e in events if e.get("ph") == "X" and e.get("name") in index]
   if not ops:
     return "no op events in the trace (is this XLA:CPU?)"
-  by_loc, by_kind, by_op = (collections.Counter() for _ in range(3))
+  spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in ops]
+  shares, busy = wall_shares(spans)
+  by_loc, by_kind, by_op, loc_wall, op_wall = (collections.Counter() for _ in range(5))
   count = collections.Counter()
-  for e in ops:
+  for e, share in zip(ops, shares):
     shape, opcode, src = index[e["name"]]
     us = float(e.get("dur", 0.0))
     loc = location(src)
     by_loc[loc] += us
+    loc_wall[loc] += share
     count[loc] += 1
     kind = "dot" if ("dot" in e["name"] or "dot" in src.rsplit("/", 1)[-1]) else opcode
     by_kind[kind] += us
     by_op[(e["name"], shape, loc)] += us
-  # Busy time: union of op intervals.
-  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in ops)
-  busy, cur_s, cur_e = 0.0, None, None
-  for s, t in spans:
-    if cur_e is None or s > cur_e:
-      if cur_e is not None:
-        busy += cur_e - cur_s
-      cur_s, cur_e = s, t
-    else:
-      cur_e = max(cur_e, t)
-  busy += cur_e - cur_s
+    op_wall[(e["name"], shape, loc)] += share
   total = sum(by_loc.values())
   per = 1e3 * iters  # us -> ms per iteration
   lines = [f"wall {1e3 * wall_s / iters:.1f} ms/iter; ops {total / per:.1f} ms/iter "
            f"(sum over threads); busy {busy / per:.1f} ms/iter = "
-           f"{100 * busy / 1e6 / wall_s:.0f}% of wall; {len(ops) / iters:.0f} ops/iter"]
+           f"{100 * busy / 1e6 / wall_s:.0f}% of wall; {len(ops) / iters:.0f} ops/iter",
+           "(ms/iter: an op's own duration; share: its part of the busy time, each moment "
+           "split between the ops running then, so shares add up to the busy time)"]
   if busy / 1e6 < 0.6 * wall_s:
     lines.append("(ops cover little of the wall time: dots that XLA runs itself on Eigen's "
                  "thread pool, as in the f32 decode loop, are traced at launch, not for "
                  "their run time)")
-  lines += ["", f"{'ms/iter':>8s} {'%ops':>5s} {'n/iter':>6s}  by source location"]
+  lines += ["", f"{'ms/iter':>8s} {'share':>7s} {'%ops':>5s} {'n/iter':>6s}  by source location"]
   for loc, us in by_loc.most_common(top):
-    lines.append(f"{us / per:8.2f} {100 * us / total:5.1f} {count[loc] / iters:6.0f}  {loc}")
+    lines.append(f"{us / per:8.2f} {loc_wall[loc] / per:7.2f} {100 * us / total:5.1f} "
+                 f"{count[loc] / iters:6.0f}  {loc}")
   lines += ["", f"{'ms/iter':>8s} {'%ops':>5s}  by op kind"]
   for kind, us in by_kind.most_common(12):
     lines.append(f"{us / per:8.2f} {100 * us / total:5.1f}  {kind}")
-  lines += ["", f"{'ms/iter':>8s} {'%ops':>5s}  top single ops (name, shape, location)"]
+  lines += ["", f"{'ms/iter':>8s} {'share':>7s} {'%ops':>5s}  top single ops (name, shape, location)"]
   for (name, shape, loc), us in by_op.most_common(min(top, 25)):
-    lines.append(f"{us / per:8.2f} {100 * us / total:5.1f}  {name} {shape}  {loc}")
+    lines.append(f"{us / per:8.2f} {op_wall[(name, shape, loc)] / per:7.2f} "
+                 f"{100 * us / total:5.1f}  {name} {shape}  {loc}")
   return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 import profile_ops  # noqa: E402
@@ -15,6 +16,25 @@ def test_location_merges_layers_and_marks_backward():
   bwd = "jit(step)/transpose(jvp(Transformer))/encoder/layers_0/self_attn/out/dot_general"
   assert profile_ops.location(fwd) == "decoder/layers_*/ffn/wi/dot_general"
   assert profile_ops.location(bwd) == "bwd encoder/layers_*/self_attn/out/dot_general"
+
+
+def test_wall_shares_split_overlaps_between_running_ops():
+  # Hand case: A runs alone 0-2, with B 2-4 (each half), B alone 4-5; C is instantaneous.
+  shares, busy = profile_ops.wall_shares([(0, 4), (2, 5), (3, 3)])
+  assert shares == [3.0, 2.0, 0.0] and busy == 5.0
+  # Random spans against a naive count on a fine grid of integer time points.
+  rng = np.random.default_rng(0)
+  starts = rng.integers(0, 200, 40)
+  spans = [(int(s), int(s + d)) for s, d in zip(starts, rng.integers(0, 30, 40))]
+  shares, busy = profile_ops.wall_shares(spans)
+  naive, covered = np.zeros(len(spans)), 0
+  for t in range(0, 240):
+    on = [i for i, (s, e) in enumerate(spans) if s <= t < e]
+    covered += bool(on)
+    for i in on:
+      naive[i] += 1 / len(on)
+  np.testing.assert_allclose(shares, naive, atol=1e-9)
+  assert busy == covered and abs(sum(shares) - busy) < 1e-9
 
 
 def test_summary_attributes_traced_ops_to_source():
@@ -42,3 +62,12 @@ def test_summary_attributes_traced_ops_to_source():
   # Per-iteration op time cannot exceed the wall time × threads.
   ops_ms = float(text.split("ops ")[1].split(" ms/iter")[0])
   assert 0 < ops_ms <= 1e3 * wall / iters * os.cpu_count() + 1e-6, text
+  # The share column of every location adds up to the busy time (up to rounding), and no
+  # location's share exceeds its own op time.
+  busy_ms = float(text.split("busy ")[1].split(" ms/iter")[0])
+  every_loc = profile_ops.summarize(path, index, iters, wall, top=10_000)
+  rows = [line.split() for line in every_loc.split("by source location\n")[1]
+          .split("\n\n")[0].splitlines()]
+  own, share = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+  assert all(s <= o + 0.01 for o, s in zip(own, share)), every_loc
+  assert abs(sum(share) - busy_ms) <= 0.01 * len(rows) + 0.05, every_loc
