@@ -53,6 +53,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  from seq2seq import malloc
+  malloc.keep_freed_memory()   # before JAX starts its threads
   import absl.logging  # TFDS and Orbax log through absl: keep their chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
   from seq2seq.errors import UserError, one_line_warnings

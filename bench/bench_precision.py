@@ -125,6 +125,8 @@ def child_prepare(overrides: list[str], data_workdir: str) -> dict:
 
 def child_train(overrides: list[str], workdir: str, eval_examples: int) -> dict:
   """One training run via train_lib.train; the training loss of every step via on_log."""
+  from seq2seq import malloc
+  malloc.keep_freed_memory()   # as train.py does, before JAX starts
   _quiet()
   from seq2seq import train_lib
   if eval_examples > 0:  # cap the final evaluation too (quick checks only)

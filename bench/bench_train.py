@@ -196,6 +196,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   if args._child:  # preset,dtype: measure and print one JSON line
+    from seq2seq import malloc
+    malloc.keep_freed_memory()   # as train.py does, before JAX starts
     preset, dtype = args._child.split(",")
     r = run_one(preset, dtype, args.steps, args.warmup)
     print("RESULT " + json.dumps(r), flush=True)
