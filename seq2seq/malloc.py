@@ -8,10 +8,12 @@ at every step the kernel faults in and zeroes every page again: ~100k page fault
 ~190 ms of system time per `small` f32 train step on machine A. With one arena, no mmap
 and no trimming, the buffer comes from the main heap and the next step reuses it: no
 faults, and the step 1.1-1.2x faster (`python train.py`'s small default model: 1.6x).
-The price: memory freed stays with the process (peak RSS +25-50%), and threads share one
-arena's lock, which makes decoding, with its many small allocations per step, 2-15%
-slower. So train.py (and the training benches) call `keep_freed_memory()`; decode.py and
-`import seq2seq` do not.
+The price: memory freed stays with the process (peak RSS up to +60% in the runs measured),
+and threads share one arena's lock, which makes decoding, with its many small allocations
+per step, 2-15% slower. So train.py (and the training benches) call `keep_freed_memory()`;
+decode.py and `import seq2seq` do not. Untested on GPU/TPU hosts, where XLA's buffers live
+on the device and only the lock is left: set SEQ2SEQ_MALLOC=default there if host threads
+(the input pipeline) slow down.
 
 Call it before JAX starts its threads: a thread keeps the arena it first used, so once JAX
 has run it changes nothing. It does nothing off glibc, if the environment already tunes
