@@ -8,10 +8,14 @@ at every step the kernel faults in and zeroes every page again: ~100k page fault
 ~190 ms of system time per `small` f32 train step on machine A. With one arena, no mmap
 and no trimming, the buffer comes from the main heap and the next step reuses it: no
 faults, and the step 1.1-1.2x faster (`python train.py`'s small default model: 1.6x).
-The price: memory freed stays with the process (peak RSS up to +60% in the runs measured),
-and threads share one arena's lock, which makes decoding, with its many small allocations
-per step, 2-15% slower. So train.py (and the training benches) call `keep_freed_memory()`;
-decode.py and `import seq2seq` do not. Untested on GPU/TPU hosts, where XLA's buffers live
+The price: memory freed stays with the process, and threads share one arena's lock, which
+makes decoding, with its many small allocations per step, 2-15% slower. So train.py (and
+the training benches) call `keep_freed_memory()`; decode.py and `import seq2seq` do not.
+One-off work (compiling, an evaluation's decoding) would leave its memory in the heap for
+the rest of the run, so the training loop calls `release_freed_memory()` after its first
+step and around each evaluation. Even so a run holds more: the README's Bible run trains
+at 2.5-2.7 GB resident with peaks of 3.4 GB, against 1.3-1.7 GB and 1.8 GB with glibc's
+defaults (docs/performance.md, session 22). Untested on GPU/TPU hosts, where XLA's buffers live
 on the device and only the lock is left: set SEQ2SEQ_MALLOC=default there if host threads
 (the input pipeline) slow down.
 
@@ -26,6 +30,7 @@ import os
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8   # glibc's malloc.h
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2 ** 31 - 1))
+_tuned = False   # set by keep_freed_memory
 
 
 def keep_freed_memory(environ=os.environ) -> bool:
@@ -37,6 +42,19 @@ def keep_freed_memory(environ=os.environ) -> bool:
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "gnu_get_libc_version"):
       return False
-    return all([libc.mallopt(param, value) == 1 for param, value in SETTINGS])
+    global _tuned
+    _tuned = all([libc.mallopt(param, value) == 1 for param, value in SETTINGS])
+    return _tuned
   except (OSError, AttributeError):
     return False
+
+
+def release_freed_memory() -> bool:
+  """Gives the heap's free pages back to the kernel (glibc's `malloc_trim`), if
+  `keep_freed_memory` tuned malloc in this process; True if it did. Call it after one-off
+  work (compiling, an evaluation) whose memory the tuned heap would otherwise keep for the
+  rest of the run; the next train step then faults its temporary buffer in once."""
+  if not _tuned:
+    return False
+  ctypes.CDLL(None).malloc_trim(0)
+  return True

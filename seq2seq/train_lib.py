@@ -24,6 +24,7 @@ import optax
 
 from seq2seq import checkpoint as ckpt_lib
 from seq2seq import config as config_lib
+from seq2seq import malloc
 from seq2seq import metrics as metrics_lib
 from seq2seq import sharding as shd
 from seq2seq.config import Config
@@ -407,6 +408,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
       local = next(batches)
       state, m = trainer.step(state, trainer.global_batch(local))
       step += 1
+      if step == start + 1:      # compiled: give the compiler's memory back (tuned malloc
+        jax.block_until_ready(m)   # keeps what is freed, see seq2seq.malloc)
+        malloc.release_freed_memory()
       if bar is not None and prev_m is not None:  # the bar moves as steps finish, one step
         jax.block_until_ready(prev_m)             # behind, so one is always queued
         if bar.n < step - 1:
@@ -476,8 +480,10 @@ def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 
   if split not in ds.splits:
     return {}
   n = 0 if final else cfg.train.num_eval_examples
+  malloc.release_freed_memory()   # the train steps' kept buffers, before the evaluation's
   m = evaluate_loss(trainer, state.params, ds, split, n)
   tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split, n)
+  malloc.release_freed_memory()   # and the evaluation's, before the next train step
   m.update(tm)
   writer.write(step, split, m)
   if _is_main():
