@@ -48,7 +48,7 @@ def test_keep_freed_memory_makes_xla_reuse_its_temporary_memory():
 
 
 # The same function's temporaries stay resident after each call under the tuned malloc, until
-# release_freed_memory() gives them back. Prints the resident MiB before the timed calls
+# release_freed_memory() gives them back. Prints the resident MiB before three calls
 # (runtime warmed up, heap trimmed), after them, and after the release.
 RELEASE_PROBE = """
 import json
