@@ -26,12 +26,14 @@ print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 4))
 """
 
 
-def _faults_per_call(mode: str) -> float:
+def _run(probe: str, mode: str = "tuned"):
+  """Runs a probe in a fresh Python with no malloc tuning from the environment (or with
+  SEQ2SEQ_MALLOC=default for mode "default"); returns its last line's JSON."""
   env = {k: v for k, v in os.environ.items()
          if not (k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "SEQ2SEQ_MALLOC"))}
   if mode == "default":
     env["SEQ2SEQ_MALLOC"] = "default"
-  p = subprocess.run([sys.executable, "-c", PROBE, mode], env=env, capture_output=True,
+  p = subprocess.run([sys.executable, "-c", probe, mode], env=env, capture_output=True,
                      text=True, timeout=300)
   assert p.returncode == 0, p.stderr
   return json.loads(p.stdout.strip().splitlines()[-1])
@@ -39,11 +41,11 @@ def _faults_per_call(mode: str) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_keep_freed_memory_makes_xla_reuse_its_temporary_memory():
-  default = _faults_per_call("default")
+  default = _run(PROBE, "default")
   if default < 1000:
     pytest.skip(f"this system faults in only {default:.0f} pages per call even with "
                 "malloc's defaults (huge pages?): nothing to compare")
-  tuned = _faults_per_call("tuned")
+  tuned = _run(PROBE, "tuned")
   assert tuned < 0.02 * default, (tuned, default)
 
 
@@ -74,12 +76,7 @@ print(json.dumps(rss + [float(f(x, w))]))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_release_freed_memory_gives_the_kept_temporaries_back():
-  env = {k: v for k, v in os.environ.items()
-         if not (k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "SEQ2SEQ_MALLOC"))}
-  p = subprocess.run([sys.executable, "-c", RELEASE_PROBE], env=env, capture_output=True,
-                     text=True, timeout=300)
-  assert p.returncode == 0, p.stderr
-  start, kept, released, value = json.loads(p.stdout.strip().splitlines()[-1])
+  start, kept, released, value = _run(RELEASE_PROBE)
   assert kept - start > 16, (start, kept)                       # the calls' memory stayed
   assert kept - released > 0.8 * (kept - start), (start, kept, released)  # and is given back
   assert value > 0                                               # and the function still runs
