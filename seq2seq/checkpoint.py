@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -37,11 +38,14 @@ def _first_line(e: Exception) -> str:
   return msg.split(". See full TensorStore details")[0][:200]
 
 
-def _is_read_debris(e: BaseException | None) -> bool:
-  """What Orbax's other reads raise in background threads after one read failed."""
+def _is_read_debris(e: BaseException | str | None) -> bool:
+  """What Orbax's other reads raise in background threads after one read failed: Orbax's
+  wrapped error, TensorStore's own (`OUT_OF_RANGE: Error reading "..." in OCDBT database`,
+  also as the repr in asyncio's "Future exception was never retrieved"), or a closed loop."""
   text = str(e)
   return ((isinstance(e, RuntimeError) and text == "Event loop is closed")
-          or "Encountered error while reading array index" in text)
+          or "Encountered error while reading array index" in text
+          or re.search(r"\b[A-Z_]{4,}: Error reading .* in OCDBT database", text) is not None)
 
 
 _QUIETED = False

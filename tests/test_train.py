@@ -266,6 +266,21 @@ def test_average_reports_bad_output_and_broken_checkpoints_in_one_line(trained, 
   assert len(p.stderr.splitlines()) == 1, p.stderr[:3000]
 
 
+def test_read_debris_covers_tensorstore_errors_of_other_reads():
+  # What a CI run printed after the one-line error (asyncio logging an unretrieved future of
+  # another read): TensorStore's error, not wrapped by Orbax.
+  ts = ('OUT_OF_RANGE: Error reading "params.encoder.layers_1.self_attn.key.kernel/0.0.0" in '
+        'OCDBT database at local file "/tmp/w/checkpoints/20/state/": Requested byte range '
+        '[162672, 177800) is not valid for value of size 1000')
+  assert ckpt_lib._is_read_debris(ValueError(ts))
+  assert ckpt_lib._is_read_debris(f"Future exception was never retrieved\nfuture: <Future "
+                                  f"finished exception=ValueError({ts!r})>")
+  assert ckpt_lib._is_read_debris(ValueError("Encountered error while reading array index: x"))
+  assert ckpt_lib._is_read_debris(RuntimeError("Event loop is closed"))
+  assert not ckpt_lib._is_read_debris(ValueError("OUT_OF_RANGE: index 3 is out of range"))
+  assert not ckpt_lib._is_read_debris(RuntimeError("Event loop is running"))
+
+
 def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, tmp_path):
   _, data_dir = trained
   workdir = tmp_path / "nan"
