@@ -449,7 +449,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
         ckpts.wait()                 # checkpoints saved so far are on disk
         os.kill(os.getpid(), signal.SIGKILL)
       if step % tc.eval_every == 0 and not last:
+        t_eval = time.time()
         eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar)
+        t_log += time.time() - t_eval   # tokens/s counts the training time only
     ckpts.wait()
     if not stopped_early:
       eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar,

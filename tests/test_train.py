@@ -458,6 +458,19 @@ def test_when_one_process_dies_the_other_stops_and_the_run_resumes(corpus, train
   assert rows[-1]["step"] == last + 5
 
 
+def test_logged_tokens_per_sec_leaves_out_evaluation_time(corpus, tmp_path):
+  """Evaluations at steps 10 and 20 (the first compiles the decode loop, seconds against
+  milliseconds per tiny step) fall in the intervals logged at 15 and 25: their rates stay
+  those of the intervals without one."""
+  p = run_train(tiny_args(corpus, tmp_path / "w", tmp_path / "tfds", 30,
+                          ["--config.train.eval_every=10", "--config.train.num_eval_examples=20"]))
+  rows = [json.loads(r) for r in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if r["split"] == "validation"][:2] == [10, 20], p.stderr
+  rate = {r["step"]: r["tokens_per_sec"] for r in rows if r["split"] == "train"}
+  clean = min(rate[10], rate[20], rate[30])
+  assert rate[15] > clean / 3 and rate[25] > clean / 3, rate
+
+
 def test_summary_names_the_step_of_stale_metrics():
   from seq2seq import train_lib
   m = dict(loss=1.0, accuracy=0.5, bleu=10.0, chrf=30.0, exact_match=0.25, examples=8)
