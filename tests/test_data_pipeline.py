@@ -8,7 +8,8 @@ import pytest
 import seq2seq
 from seq2seq.data import EOS_ID, load_dataset
 from seq2seq.data import testing as dtest
-from seq2seq.data.pipeline import Ragged, TrainStream, apply_length_policy
+from seq2seq.data.pipeline import (OPEN_ROWS, Ragged, TrainStream, apply_length_policy,
+                                   plan_rows)
 
 
 def _random_ragged(n, lo, hi, seed):
@@ -85,7 +86,46 @@ def test_packing_loses_nothing_and_segments_positions_right(stream):
   assert set(seen) == every
   stats = stream.epoch_stats(0)
   assert stats["distinct_examples_per_epoch"] == len(stream.src)
-  assert stats["src_fill"] > 0.7
+  assert stats["src_fill"] > 0.8 and stats["tgt_fill"] > 0.85
+
+
+def test_first_fit_plan_follows_its_rule_and_packs_tighter_than_rows_one_at_a_time():
+  """Checked from the finished plan alone: rows fit, one pass places each example once, and
+  each example went into the oldest open row with room (open: the last OPEN_ROWS started
+  before it), starting a row only when none had room."""
+  rng = np.random.default_rng(0)
+  n, L = 1500, 64
+  src_lens, tgt_lens = rng.integers(2, 50, n), rng.integers(2, 56, n)  # means ~ the Bible's
+  order = rng.permutation(n)
+  stream, bounds = plan_rows(src_lens, tgt_lens, order, None, L, pack=True)
+  assert sorted(stream.tolist()) == list(range(n))
+  rows = [stream[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+  assert all(src_lens[r].sum() <= L and tgt_lens[r].sum() <= L for r in rows)
+  pos = np.argsort(order)                          # when each example came
+  start = [pos[r[0]] for r in rows]
+  assert start == sorted(start)                    # rows come out in the order they started
+  fits = lambda r, x: (src_lens[r].sum() + src_lens[x] <= L and
+                       tgt_lens[r].sum() + tgt_lens[x] <= L)
+  for i, row in enumerate(rows):
+    for k, x in enumerate(row):
+      assert all(pos[y] < pos[x] for y in row[:k])  # a row's examples in arrival order
+      before = int(np.searchsorted(start, pos[x]))  # rows started before x came
+      assert before - OPEN_ROWS <= i <= before       # x's row was open, or x started it
+      older = range(max(0, before - OPEN_ROWS), i)  # the open ones older than x's row
+      assert not any(fits([y for y in rows[j] if pos[y] < pos[x]], x) for j in older), (i, k)
+  # the same examples filled one row at a time (the naive packing) need 1/4 more rows
+  one_at_a_time, room = 0, (-1, -1)
+  for x in order:
+    if room[0] < src_lens[x] or room[1] < tgt_lens[x]:
+      one_at_a_time, room = one_at_a_time + 1, (L, L)
+    room = (room[0] - src_lens[x], room[1] - tgt_lens[x])
+  assert len(rows) < 0.85 * one_at_a_time, (len(rows), one_at_a_time)
+  # more rows than one pass: the pass's rows, then the order again; fewer: its first rows
+  more, b_more = plan_rows(src_lens, tgt_lens, order, len(rows) + 5, L, pack=True)
+  assert len(b_more) == len(rows) + 6 and more[:n].tolist() == stream.tolist()
+  assert more[n] == order[0]
+  fewer, b_fewer = plan_rows(src_lens, tgt_lens, order, len(rows) - 5, L, pack=True)
+  assert np.array_equal(b_fewer, bounds[:-5]) and np.array_equal(fewer, stream[:b_fewer[-1]])
 
 
 def test_resume_at_step_k_is_exact(stream):

@@ -3,17 +3,16 @@
 Examples are stored ragged (`Ragged`: one flat int32 token array + offsets), tokenized once.
 Training order is a pure function of (seed, step, process): the stream is cut into epochs of
 exactly `steps_per_epoch` batches; epoch e visits this host's examples in the order
-`permutation(seed, e, process_index)`, fills rows greedily in that order (next-fit packing,
-or one example per row), wraps around to the start of the order if rows are left, and skips
-the few examples that do not fit. So batch k is found by computing the plan of epoch
-k // steps_per_epoch only, and resuming at step k is exact.
+`permutation(seed, e, process_index)`, packs them into rows in that order (first-fit over
+the last 64 rows started, or one example per row), wraps around to the start of the order
+if rows are left, and skips the few examples that do not fit. So batch k is found by
+computing the plan of epoch k // steps_per_epoch only, and resuming at step k is exact.
 
 Batch assembly is vectorised NumPy (no per-token Python loop); planning an epoch is one
-short Python loop per row.
+short Python loop per example.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 from typing import Iterator
@@ -106,30 +105,60 @@ def epoch_permutation(n: int, seed: int, epoch: int, process_index: int) -> np.n
   return np.random.default_rng([seed, epoch, process_index]).permutation(n)
 
 
-def plan_rows(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray,
-              num_rows: int | None, seq_len: int, pack: bool) -> np.ndarray:
-  """Row boundaries of one epoch: `bounds` [num_rows + 1] into the cyclic stream
-  order[0], order[1], ..., order[n-1], order[0], ... (row r holds stream[bounds[r]:bounds[r+1]]).
-  `num_rows=None`: just enough rows to hold `order` once.
+# Rows filled at once when packing: more pack tighter but plan slower. On the README's Bible
+# corpus (27k pairs, rows of 64 tokens) target tokens fill 72% of the rows when they are
+# filled one at a time, 86% with 8 open, 92% with 64 (~1.6 us per example), 93% with 128.
+OPEN_ROWS = 64
 
-  Next-fit packing: a row takes consecutive examples while both its source and its target
-  tokens fit in `seq_len`. Without packing a row holds one example.
+
+def plan_rows(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray,
+              num_rows: int | None, seq_len: int, pack: bool) -> tuple[np.ndarray, np.ndarray]:
+  """One epoch's rows as (stream, bounds): row r holds examples stream[bounds[r]:bounds[r+1]].
+
+  Examples are taken in `order`, and again from its start while rows are missing
+  (`num_rows=None`: the rows of one pass). Without packing a row holds one example; packed,
+  see `_first_fit`.
   """
-  n = len(order)
   if not pack:
-    return np.arange((n if num_rows is None else num_rows) + 1, dtype=np.int64)
-  # enough copies of the order to wrap around (a row holds at least one example)
-  reps = 1 if num_rows is None else -(-num_rows // n) + 1
-  stream = np.tile(order, reps)
-  cs_s = np.concatenate([[0], np.cumsum(src_lens[stream])]).tolist()
-  cs_t = np.concatenate([[0], np.cumsum(tgt_lens[stream])]).tolist()
-  bounds, start, total = [0], 0, len(stream)
-  while start < total and (num_rows is None or len(bounds) <= num_rows):
-    end = min(bisect.bisect_right(cs_s, cs_s[start] + seq_len, lo=start),
-              bisect.bisect_right(cs_t, cs_t[start] + seq_len, lo=start)) - 1
-    start = max(end, start + 1)  # (the length policy makes every example fit a row)
-    bounds.append(start)
-  return np.asarray(bounds, np.int64)
+    rows = len(order) if num_rows is None else num_rows
+    return np.resize(order, rows), np.arange(rows + 1, dtype=np.int64)
+  args = order.tolist(), src_lens.tolist(), tgt_lens.tolist(), seq_len
+  rows = _first_fit(*args, max_rows=num_rows or len(order))
+  while num_rows and len(rows) < num_rows:
+    rows += _first_fit(*args, max_rows=num_rows - len(rows))
+  bounds = np.zeros(len(rows) + 1, np.int64)
+  np.cumsum([len(r) for r in rows], out=bounds[1:])
+  return np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(bounds[-1])), bounds
+
+
+def _first_fit(order: list, src_lens: list, tgt_lens: list, seq_len: int, max_rows: int
+               ) -> list[list[int]]:
+  """The rows (lists of example ids) of one pass over `order`, at most `max_rows`.
+
+  First-fit over the last OPEN_ROWS rows started: an example goes into the oldest of them
+  where both its source and its target tokens still fit, or else starts a new row, which
+  finishes the oldest when OPEN_ROWS are open. The pass ends by finishing the open rows, so
+  every example is placed (the length policy makes each one fit a row).
+  """
+  rows, open_rows, room_src, room_tgt = [], [], [], []   # open rows: oldest first
+  for e in order:
+    s, t = src_lens[e], tgt_lens[e]
+    for j in range(len(open_rows)):
+      if room_src[j] >= s and room_tgt[j] >= t:
+        open_rows[j].append(e)
+        room_src[j] -= s
+        room_tgt[j] -= t
+        break
+    else:
+      if len(open_rows) == OPEN_ROWS:
+        rows.append(open_rows.pop(0))
+        del room_src[0], room_tgt[0]
+        if len(rows) == max_rows:
+          return rows
+      open_rows.append([e])
+      room_src.append(seq_len - s)
+      room_tgt.append(seq_len - t)
+  return (rows + open_rows)[:max_rows]
 
 
 def assemble(src: Ragged, tgt: Ragged, stream: np.ndarray, bounds: np.ndarray,
@@ -180,20 +209,18 @@ class TrainStream:
     self._src_lens, self._tgt_lens = src.lengths, tgt.lengths
     self._plans = {}
     # Epoch 0 packed freely sets the number of steps of every epoch.
-    rows = len(plan_rows(self._src_lens, self._tgt_lens, self._order(0), None, seq_len,
-                         pack)) - 1
+    _, bounds = plan_rows(self._src_lens, self._tgt_lens, self._order(0), None, seq_len, pack)
+    rows = len(bounds) - 1
     self.steps_per_epoch = max(1, -(-rows // batch_size))
 
   def _order(self, epoch: int) -> np.ndarray:
     return epoch_permutation(len(self.src), self.seed, epoch, self.process_index)
 
   def _plan(self, epoch: int):
-    if epoch not in self._plans:
-      order = self._order(epoch)
-      bounds = plan_rows(self._src_lens, self._tgt_lens, order,
-                         self.steps_per_epoch * self.batch_size, self.seq_len, self.pack)
-      reps = max(1, -(-int(bounds[-1]) // len(order)))
-      self._plans = {epoch: (np.tile(order, reps), bounds)}  # keep one epoch
+    if epoch not in self._plans:  # keeps one epoch's
+      self._plans = {epoch: plan_rows(self._src_lens, self._tgt_lens, self._order(epoch),
+                                      self.steps_per_epoch * self.batch_size, self.seq_len,
+                                      self.pack)}
     return self._plans[epoch]
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
