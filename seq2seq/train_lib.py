@@ -411,9 +411,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
       if step == start + 1:      # compiled: give the compiler's memory back (tuned malloc
         jax.block_until_ready(m)   # keeps what is freed, see seq2seq.malloc)
         malloc.release_freed_memory()
-      if bar is not None and prev_m is not None:  # the bar moves as steps finish, one step
-        jax.block_until_ready(prev_m)             # behind, so one is always queued
-        if bar.n < step - 1:
+      if prev_m is not None:
+        # Wait for the previous step: one step queued keeps the device busy, while running
+        # further ahead holds more steps' buffers (+0.6 GB, and slower, on the Bible run).
+        jax.block_until_ready(prev_m)
+        if bar is not None and bar.n < step - 1:   # the bar moves as steps finish
           bar.update(step - 1 - bar.n)
       prev_m = m
       acc = _accumulate(acc, m)
