@@ -14,7 +14,7 @@ the training benches) call `keep_freed_memory()`; decode.py and `import seq2seq`
 One-off work (compiling, an evaluation's decoding) would leave its memory in the heap for
 the rest of the run, so the training loop calls `release_freed_memory()` after its first
 step and around each evaluation. Even so a run holds more: the README's Bible run trains
-at 2.5-2.7 GB resident with peaks of 3.1-3.4 GB, against 1.3-1.7 GB and 1.8 GB with glibc's
+at 2.4-2.7 GB resident with peaks of 3.0-3.4 GB, against 1.3-1.7 GB and 1.8 GB with glibc's
 defaults (docs/performance.md, session 22). Untested on GPU/TPU hosts, where XLA's buffers
 live on the device and only the lock is left: set SEQ2SEQ_MALLOC=default there if host
 threads (the input pipeline) slow down.
