@@ -134,6 +134,8 @@ def main(argv=None):
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "input.json"))
   args = ap.parse_args(argv)
+  import absl.logging  # TFDS logs through absl, as in train.py
+  absl.logging.set_verbosity(absl.logging.ERROR)
   names = [n for n in args.datasets.split(",") if n]
   if "bible" in names and not os.path.isdir(BIBLE):
     print(f"skipping bible: {BIBLE} not found", file=sys.stderr)

@@ -31,7 +31,9 @@ tiny while the loss falls (< 0.1% for ~40 steps) and then, as rounding differenc
 compound, grows, but stays inside the seed-to-seed differences. 2026-11-24 on B (dataset
 1.2.0, the default run with its cooldown), over the last 100 steps: mean |d| / loss 0.7-1.9%
 for bf16 - f32 against 2.2-4.8% for the seed pairs, the largest single step 1.9-6.0% against
-7.9-10.7%; no run had a loss spike; test exact match 100% in all six runs. (Before the
+7.9-10.7%; no run had a loss spike; test exact match 100% in all six runs. 2026-11-25 on A
+(session 24, first-fit packing): 0.3-0.7% against 1.6-3.7%, the largest step 1.8-3.0% against
+6.1-9.1%, no spike, 100% in all six. (Before the
 cooldown, runs had occasional spikes; they come with particular batches, so both dtypes of a
 seed mostly spiked at the same step, but one pair, f32 at step 145 and bf16 at 205, showed a
 112% single-step gap against 62-83% between seeds, while its mean gap, 11.8%, was within
