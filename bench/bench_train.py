@@ -123,24 +123,31 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
               times_s=times)
 
 
-def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
-  """One (preset, dtype) measurement; meant to run in a fresh process."""
-  import jax
-  import numpy as np
+def workload_config(preset: str, dtype: str):
+  """The run's Config: the preset at the workload's vocabulary, batch and length."""
   import seq2seq
-  from seq2seq import malloc
   from seq2seq.config import Config, TrainConfig
-  from seq2seq.train_lib import Trainer
-
-  rss_start = _vm_hwm_mb()
   w = WORKLOADS[preset]
   model = seq2seq.get_config(preset, vocab_size=w["vocab_size"]).replace(
       dtype=dtype, dropout_rate=0.1, share_embeddings=True, tie_output=True,
       # Also on the FFN's hidden units (not the paper's, nor our default): the workload of
       # every earlier run, and what the peer's nn.Transformer does.
       ffn_dropout_rate=0.1)
-  cfg = Config(model=model, train=TrainConfig(batch_size=w["batch"], seq_len=w["length"],
-                                              label_smoothing=0.1))
+  return Config(model=model, train=TrainConfig(batch_size=w["batch"], seq_len=w["length"],
+                                               label_smoothing=0.1))
+
+
+def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
+  """One (preset, dtype) measurement; meant to run in a fresh process."""
+  import jax
+  import numpy as np
+  from seq2seq import malloc
+  from seq2seq.train_lib import Trainer
+
+  rss_start = _vm_hwm_mb()
+  w = WORKLOADS[preset]
+  cfg = workload_config(preset, dtype)
+  model = cfg.model
   trainer = Trainer(cfg, bos_id=BOS)
   state = trainer.init(jax.random.key(0))
   jax.block_until_ready(state)

@@ -1,7 +1,6 @@
 """bench/bench_decode.py's cost model: the FLOPs and bytes it charges a cached decode step
 are counted independently, from the step's own jaxpr (every dot_general) and from the real
 parameter and cache arrays the step reads."""
-import math
 import os
 import sys
 
@@ -16,6 +15,7 @@ from seq2seq.model import Transformer, init_cache
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 import bench_decode  # noqa: E402
+from jaxpr_flops import dot_flops  # noqa: E402
 
 ROWS, BEAMS, CACHE_LEN, SRC_LEN = 3, 2, 7, 5
 
@@ -23,30 +23,6 @@ ROWS, BEAMS, CACHE_LEN, SRC_LEN = 3, 2, 7, 5
 def _cfg(dtype):
   return seq2seq.get_config("tiny", vocab_size=53).replace(
       d_model=32, num_heads=4, d_ff=48, num_decoder_layers=2, dropout_rate=0.0, dtype=dtype)
-
-
-def _sub_jaxprs(value):
-  if isinstance(value, jax.extend.core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jax.extend.core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
-def _dot_flops(jaxpr) -> float:
-  """2 x output size x contracted size, summed over every dot_general, sub-jaxprs included."""
-  total = 0.0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      (contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract)
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        total += _dot_flops(sub)
-  return total
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -62,7 +38,7 @@ def test_step_cost_matches_the_step_jaxpr_and_the_arrays_it_reads(dtype):
   closed = jax.make_jaxpr(step)(seq, jnp.int32(2), cache)
   jaxpr = closed.jaxpr
   flops, nbytes = bench_decode.step_cost(cfg, ROWS * BEAMS, CACHE_LEN, SRC_LEN, sources=ROWS)
-  assert flops == _dot_flops(jaxpr)
+  assert flops == dot_flops(jaxpr)
 
   # Bytes: the decoder's parameters except the cross-attention key/value projections (run
   # once per call), the tied head, the self-attention cache of every beam and the
