@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,11 @@ class MetricsWriter:
     if not enabled:
       return
     self.path = Path(workdir) / "metrics.jsonl"
+    if self.path.exists() and self.path.stat().st_size:
+      with open(self.path, "rb+") as f:  # a run killed mid-line: end that line, keep the rest
+        f.seek(-1, 2)
+        if f.read(1) != b"\n":
+          f.write(b"\n")
     try:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), flush_secs=30)
@@ -61,7 +67,21 @@ class MetricsWriter:
 
 
 def read_metrics(workdir) -> list[dict]:
+  """The rows of <workdir>/metrics.jsonl in step order. A resumed run logs again the steps
+  after its checkpoint: the last row written for a (split, step) wins. Lines that are not
+  JSON (a run killed mid-line) are skipped with a warning."""
   path = Path(workdir) / "metrics.jsonl"
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  latest, bad = {}, 0
+  for i, line in enumerate(path.read_text(errors="replace").splitlines()):
+    try:
+      row = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+      row = None
+      bad += 1
+    if isinstance(row, dict) and "step" in row:
+      latest[(row.get("split"), row["step"])] = (i, row)
+  if bad:
+    print(f"warning: skipped {bad} unreadable line(s) of {path}", file=sys.stderr)
+  return [row for _, row in sorted(latest.values(), key=lambda v: (v[1]["step"], v[0]))]
