@@ -10,9 +10,9 @@ then the steady-state
 rate of `ds.train_batches()` (packed [32, 64] rows, the batches the model sees), and of
 resuming far into training (`train_batches(10**6)`: plan one epoch, then assemble).
 
-The consumer: one jitted train step (forward + backward + Adam, label-smoothed
-`seq2seq.cross_entropy`) of `get_config('small', vocab_size=8000)` on a [32, 64] packed
-batch. The requirement (issue 3): batches/s >= 20 x train steps/s. Prints a table and
+The consumer: train.py's jitted train step (`Trainer.step`: forward + backward + Adam,
+label-smoothed cross-entropy) of `get_config('small', vocab_size=8000)` on a [32, 64]
+packed batch. The requirement (issue 3): batches/s >= 20 x train steps/s. Prints a table and
 writes JSON to bench/results/input.json.
 """
 from __future__ import annotations
@@ -28,9 +28,7 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 import seq2seq
 from seq2seq.data import load_dataset
@@ -85,40 +83,22 @@ def bench_pipeline(name: str, root: str, seconds: float) -> dict:
 
 
 def bench_train_step(batch: dict, repeats: int) -> dict:
-  """Median seconds of one jitted train step of the `small` model."""
-  cfg = seq2seq.get_config("small", vocab_size=8000)
-  model = seq2seq.Transformer(cfg)
-  batch = {k: jnp.asarray(np.minimum(v, cfg.vocab_size - 1)) for k, v in batch.items()}
-  tgt_in = seq2seq.shift_right(batch["tgt"], 1, batch["tgt_segments"])
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"][:1], tgt_in[:1])
-  opt = seq2seq.make_optimizer(seq2seq.warmup_rsqrt_schedule(cfg.d_model, 4000))
-  opt_state = opt.init(params)
-
-  @jax.jit
-  def step(params, opt_state, b, rng):
-    def loss_fn(p):
-      tin = seq2seq.shift_right(b["tgt"], 1, b["tgt_segments"])
-      logits = model.apply(p, b["src"], tin, b["src_segments"], b["tgt_segments"],
-                           b["src_positions"], b["tgt_positions"], train=True,
-                           rngs={"dropout": rng})
-      loss, weight = seq2seq.cross_entropy(logits, b["tgt"], 0.1,
-                                           (b["tgt_segments"] > 0).astype(jnp.float32))
-      return loss / weight
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  rng = jax.random.PRNGKey(1)
-  t = time.perf_counter()
-  params, opt_state, loss = step(params, opt_state, batch, rng)
-  loss.block_until_ready()
-  compile_s = time.perf_counter() - t
+  """Median seconds of train.py's jitted step (`Trainer.step`: forward, backward, Adam) of
+  the `small` model, with its preset's recipe, on `batch`."""
+  from seq2seq.train_lib import Trainer
+  cfg = seq2seq.Config(model=seq2seq.get_config("small", vocab_size=8000),
+                       train=seq2seq.TrainConfig(batch_size=BATCH, seq_len=SEQ_LEN))
+  trainer = Trainer(cfg)
+  state = trainer.init(jax.random.key(0))
+  batch = trainer.global_batch({k: np.minimum(v, cfg.model.vocab_size - 1).astype(np.int32)
+                                for k, v in batch.items()})
   times = []
-  for _ in range(repeats):
+  for _ in range(repeats + 1):  # the first compiles
     t = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, batch, rng)
-    loss.block_until_ready()
+    state, m = trainer.step(state, batch)
+    jax.block_until_ready((state, m))
     times.append(time.perf_counter() - t)
+  compile_s, times = times[0], times[1:]
   med = statistics.median(times)
   return dict(model="small", vocab_size=8000, batch=[BATCH, SEQ_LEN], compile_s=compile_s,
               step_s=med, steps_per_s=1.0 / med, runs_s=times)
