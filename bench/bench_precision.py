@@ -131,6 +131,7 @@ def child_train(overrides: list[str], workdir: str, eval_examples: int) -> dict:
   malloc.keep_freed_memory()   # as train.py does, before JAX starts
   _quiet()
   from seq2seq import train_lib
+  from seq2seq.metrics import read_metrics
   if eval_examples > 0:  # cap the final evaluation too (quick checks only)
     run_eval = train_lib._run_eval
 
@@ -150,12 +151,8 @@ def child_train(overrides: list[str], workdir: str, eval_examples: int) -> dict:
   t0 = time.perf_counter()
   r = train_lib.train(cfg, workdir, progress=False, on_log=on_log)
   t1 = time.perf_counter()
-  periodic = []  # the validation evaluations before the final one
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      row = json.loads(line)
-      if row["split"] == "validation" and row["step"] < r.step:
-        periodic.append(row)
+  periodic = [row for row in read_metrics(workdir)  # the evaluations before the final one
+              if row["split"] == "validation" and row["step"] < r.step]
   return dict(
       overrides=overrides, workdir=workdir, step=r.step, steps=steps, loss=losses,
       accuracy=accs, train_seconds=r.seconds,

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from seq2seq.metrics import read_metrics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,7 +42,7 @@ def main(argv=None):
     total = time.time() - t0
     if proc.returncode != 0:
       sys.exit(f"error: train.py exited with {proc.returncode}:\n{proc.stdout[-2000:]}")
-    rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    rows = read_metrics(workdir)
   evals = [r for r in rows if r.get("split") == "validation" and "exact_match" in r]
   hit = next((r for r in evals if r["exact_match"] >= args.target), None)
   test = next((r for r in reversed(rows) if r.get("split") == "test"), {})
