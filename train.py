@@ -51,6 +51,22 @@ def parse_args(argv):
   return args, overrides
 
 
+def config_items(args, overrides: list[str]) -> list[str]:
+  """The flags as config items, before the --config.KEY=VALUE overrides. Data files given
+  without --dataset mean your own parallel text."""
+  from seq2seq.errors import UserError
+  items = [f"data.{k}={v}" for k in ("dataset", "data_dir", "train_files", "validation_files",
+                                     "test_files", "src_lang", "tgt_lang", "reverse")
+           if (v := getattr(args, k)) is not None]
+  if args.dataset is None and (args.train_files or args.validation_files or args.test_files):
+    items.insert(0, "data.dataset=parallel_text")
+  if args.steps is not None:
+    if any(o.split("=")[0] in ("train.steps", "steps") for o in overrides):
+      raise UserError("give --steps or --config.train.steps, not both")
+    items.append(f"train.steps={args.steps}")
+  return items
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
   from seq2seq import malloc
@@ -66,14 +82,8 @@ def main(argv=None) -> int:
     sharding.maybe_initialize_distributed(args.coordinator_address, args.num_processes,
                                           args.process_id)
     from seq2seq import train_lib
-    items = [f"data.{k}={v}" for k in ("dataset", "data_dir", "train_files", "validation_files",
-                                       "test_files", "src_lang", "tgt_lang", "reverse")
-             if (v := getattr(args, k)) is not None]
-    if args.steps is not None:
-      if any(o.split("=")[0] in ("train.steps", "steps") for o in overrides):
-        raise UserError("give --steps or --config.train.steps, not both")
-      items.append(f"train.steps={args.steps}")
-    cfg = train_lib.resolve_config(args.workdir, args.config, items + overrides)
+    cfg = train_lib.resolve_config(args.workdir, args.config,
+                                   config_items(args, overrides) + overrides)
     result = train_lib.train(cfg, args.workdir, progress=not args.no_progress)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

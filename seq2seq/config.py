@@ -175,6 +175,11 @@ class Config:
       v = getattr(self.data, name)
       _check(v <= self.model.max_len, f"data.{name} ({v}) must be <= model.max_len "
              f"({self.model.max_len}), the longest sequence the positions cover")
+    files = [n for n in ("train_files", "validation_files", "test_files")
+             if getattr(self.data, n)]
+    _check(not files or self.data.dataset == "parallel_text",
+           f"data.{files[0] if files else ''} is read only when the dataset is "
+           f"parallel_text, not {self.data.dataset!r} (--dataset parallel_text)")
 
   def replace(self, **kw) -> "Config":
     return dataclasses.replace(self, **kw)

@@ -368,6 +368,31 @@ def test_config_overrides():
     override(cfg, ["steps"])
 
 
+def test_data_files_without_a_dataset_mean_parallel_text(tmp_path, capsys):
+  def cfg_of(argv):
+    args, overrides = train_script.parse_args(argv)
+    return override(get_experiment("numbers"),
+                    train_script.config_items(args, overrides) + overrides)
+  cfg = cfg_of(["--train_files", "corpus/train", "--test_files", "corpus/test"])
+  assert (cfg.data.dataset, cfg.data.train_files, cfg.data.test_files) == \
+      ("parallel_text", "corpus/train", "corpus/test")
+  assert cfg_of(["--config.data.dataset=numbers"]).data.dataset == "numbers"
+  # files with another dataset would be ignored: an error instead, whatever the order given
+  for argv in (["--dataset", "numbers", "--train_files", "corpus/train"],
+               ["--config.data.validation_files=corpus/validation"]):
+    with pytest.raises(ConfigError, match="only when the dataset is parallel_text"):
+      cfg_of(argv)
+  assert override(get_experiment("numbers"), ["data.train_files=t", "data.dataset=parallel_text"]
+                  ).data.train_files == "t"
+  # ... in one line from train.py, before anything is written
+  work = tmp_path / "w"
+  assert train_script.main(["--workdir", str(work), "--dataset", "wmt14_translate/de-en",
+                            "--train_files", "corpus/train"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: data.train_files is read only") and "\n" not in err, err
+  assert not work.exists()
+
+
 # --- multi-host ---------------------------------------------------------------------------
 
 def _free_port() -> int:
