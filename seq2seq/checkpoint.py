@@ -202,12 +202,26 @@ def _check_param_shapes(workdir, ckpts: Checkpoints, step: int | None, params) -
                   f"{CONFIG_FILE} edited?")
 
 
+def check_local(workdir) -> None:
+  """A workdir is written through the file system: a URL would become a local directory
+  named like it (and a run's checkpoints would silently stay on this machine)."""
+  if "://" in str(workdir):
+    raise UserError(f"workdir {workdir} is a URL: give a file system path (a bucket mounted "
+                    f"with e.g. gcsfuse works)")
+
+
+def not_a_workdir(path) -> UserError:
+  return UserError(f"workdir {path} " + ("is a file, not a directory" if Path(path).exists()
+                                         else "does not exist"))
+
+
 def load_workdir(workdir, step: int | None = None):
   """(config, params, tokenizer) from a workdir written by train.py, on the default device."""
   from seq2seq.data import Tokenizer
+  check_local(workdir)
   workdir = Path(workdir)
   if not workdir.is_dir():
-    raise UserError(f"workdir {workdir} does not exist")
+    raise not_a_workdir(workdir)
   cfg = read_config(workdir)
   if cfg is None:
     raise UserError(f"{workdir} holds no {CONFIG_FILE}: is it a train.py workdir?")
@@ -293,8 +307,10 @@ def main(argv=None) -> int:
   try:
     if args.last < 1:
       raise UserError(f"--last must be >= 1, got {args.last}")
+    check_local(args.workdir)
+    check_local(args.output)
     if not Path(args.workdir).is_dir():
-      raise UserError(f"workdir {args.workdir} does not exist")
+      raise not_a_workdir(args.workdir)
     steps = write_averaged_workdir(args.workdir, args.output, args.last)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -350,6 +350,10 @@ def test_contradictory_options(argv, message, tmp_path, capsys):
 def test_missing_workdir(tmp_path, capsys):
   assert_user_error(*run(capsys, "--workdir", tmp_path / "nope", "one"),
                     f"workdir {tmp_path / 'nope'} does not exist")
+  (tmp_path / "file").write_text("x")
+  assert_user_error(*run(capsys, "--workdir", tmp_path / "file", "one"),
+                    f"workdir {tmp_path / 'file'} is a file, not a directory")
+  assert_user_error(*run(capsys, "--workdir", "gs://bucket/run1", "one"), "is a URL")
 
 
 def test_workdir_without_checkpoint(workdir, tmp_path, capsys):

@@ -348,6 +348,22 @@ def test_unwritable_workdir(tmp_path, capsys):
   assert "not writable" in err and len(err.splitlines()) == 1
 
 
+def test_workdir_url_is_refused_not_made_a_local_directory(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert train_script.main(["--workdir", "gs://bucket/run1", "--no_progress"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: workdir gs://bucket/run1 is a URL") and "\n" not in err, err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_workdir_that_is_a_file(tmp_path, capsys):
+  f = tmp_path / "run"
+  f.write_text("someone's notes")
+  assert train_script.main(["--workdir", str(f), "--no_progress"]) == 2
+  assert capsys.readouterr().err.strip() == f"error: workdir {f} is a file, not a directory"
+  assert f.read_text() == "someone's notes"
+
+
 def test_different_model_config_on_existing_workdir_is_refused_untouched(corpus, trained,
                                                                           capsys):
   workdir, data_dir = trained
