@@ -84,6 +84,12 @@ def main(argv=None) -> int:
     from seq2seq import train_lib
     cfg = train_lib.resolve_config(args.workdir, args.config,
                                    config_items(args, overrides) + overrides)
+    for flag in ("src_lang", "tgt_lang"):  # said, not silently ignored
+      if getattr(args, flag) is not None and cfg.data.dataset != "parallel_text":
+        raise UserError(f"--{flag} names the files of dataset parallel_text, not "
+                        f"{cfg.data.dataset!r}" + ("; the numbers task's target language "
+                        "is --config.data.target_lang (fr or de)"
+                        if cfg.data.dataset == "numbers" else ""))
     result = train_lib.train(cfg, args.workdir, progress=not args.no_progress)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
