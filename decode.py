@@ -64,7 +64,7 @@ def parse_args(argv):
   p.add_argument("--reference", default=None, metavar="FILE",
                  help="score the translations against FILE, one reference per input "
                  "line: BLEU, chrF and exact match on standard error")
-  p.add_argument("--no-progress", "--no_progress", dest="no_progress", action="store_true",
+  p.add_argument("--no-progress", dest="no_progress", action="store_true",
                  help="no progress bar")
   return p.parse_args(argv)
 

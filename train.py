@@ -36,7 +36,7 @@ def parse_args(argv):
   p.add_argument("--tgt_lang", default=None)
   p.add_argument("--reverse", action="store_true", default=None, help="swap a TFDS dataset's source and target")
   p.add_argument("--steps", type=int, default=None, help="shortcut for --config.train.steps")
-  p.add_argument("--no_progress", "--no-progress", dest="no_progress", action="store_true",
+  p.add_argument("--no_progress", dest="no_progress", action="store_true",
                  help="no progress bar")
   p.add_argument("--coordinator_address", default="")
   p.add_argument("--num_processes", type=int, default=0)

@@ -385,15 +385,37 @@ def test_bad_values_with_a_good_workdir(workdir, argv, message, capsys):
   assert_user_error(*run(capsys, "--workdir", workdir, *argv), message)
 
 
-@pytest.mark.parametrize("flag", ["--no-progress", "--no_progress"])
-def test_no_progress_is_spelled_either_way_in_both_scripts(flag):
-  """train.py's flags use underscores and decode.py's dashes; the one flag both have is
-  accepted in either spelling by each."""
+def _spelt(argv, sep):
+  """argv with every flag's words joined by `sep` (values and --config.KEY=VALUE kept)."""
+  out = []
+  for a in argv:
+    if a.startswith("--") and "." not in a:
+      name, eq, value = a.partition("=")
+      a = "--" + name[2:].replace("_", sep).replace("-", sep) + eq + value
+    out.append(a)
+  return out
+
+
+def test_flags_are_spelt_either_way_in_both_scripts():
+  """train.py's flags use underscores and decode.py's dashes; each accepts both."""
   sys.path.insert(0, str(ROOT))
   import train as train_script
-  assert decode_script.parse_args(["--workdir", "w", flag]).no_progress
+  decode_argv = ["--workdir", "w", "--beam-size", "2", "--checkpoint-step", "5", "--n-best",
+                 "2", "--max-len=9", "--batch-size", "3", "--chunk-size", "7",
+                 "--top-k", "3", "--top-p", "0.9", "--no-progress", "one_two"]
+  want = decode_script.parse_args(decode_argv)
+  assert (want.beam_size, want.checkpoint_step, want.max_len, want.chunk_size, want.top_k,
+          want.no_progress, want.sentences) == (2, 5, 9, 7, 3, True, ["one_two"])
+  assert decode_script.parse_args(_spelt(decode_argv, "_")) == want
   assert not decode_script.parse_args(["--workdir", "w"]).no_progress
-  assert train_script.parse_args(["--workdir", "w", flag])[0].no_progress
+  train_argv = ["--workdir", "w", "--train_files", "x", "--validation_files=y", "--test_files",
+                "z", "--src_lang", "en", "--tgt_lang", "fr", "--data_dir", "d", "--no_progress",
+                "--coordinator_address", "h:1", "--num_processes", "2", "--process_id", "0",
+                "--config.train.batch_size=4"]
+  want = train_script.parse_args(train_argv)
+  assert want[0].validation_files == "y" and want[0].no_progress and want[0].num_processes == 2
+  assert want[1] == ["train.batch_size=4"]
+  assert train_script.parse_args(_spelt(train_argv, "-")) == want
   assert not train_script.parse_args(["--workdir", "w"])[0].no_progress
 
 
