@@ -391,7 +391,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   n_dev = trainer.data_parallel
   _print(f"training {cfg.model.d_model}-d {cfg.model.num_encoder_layers}+"
          f"{cfg.model.num_decoder_layers}-layer model on {_train_pairs(ds):,} pairs, "
-         f"{n_dev} device(s) ({jax.devices()[0].platform}), steps {start}->{tc.steps}")
+         f"{n_dev} device(s) ({jax.devices()[0].platform}), steps {start}->{tc.steps}"
+         + (f" (already at step {start}: nothing to train, evaluating only)"
+            if start >= tc.steps else ""))
   bar = None
   if progress and _is_main():
     from tqdm.auto import tqdm

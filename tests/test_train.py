@@ -151,6 +151,14 @@ def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
   a, b = params_of(reference, 30), params_of(workdir, 30)
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(x, y)
+  # the log reads as the uninterrupted run's: the resumed run's rows replace the killed one's
+  from seq2seq.metrics import read_metrics
+  losses = lambda w: [(r["step"], r["loss"]) for r in read_metrics(w) if r["split"] == "train"]
+  assert losses(workdir) == losses(reference)
+  assert [s for s, _ in losses(workdir)] == [5, 10, 15, 20, 25, 30]
+  p = run_train(args)   # once more: done already, so it says so and only evaluates
+  assert "already at step 30: nothing to train" in p.stderr
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps()[-1] == 30
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
