@@ -202,26 +202,30 @@ def _check_param_shapes(workdir, ckpts: Checkpoints, step: int | None, params) -
                   f"{CONFIG_FILE} edited?")
 
 
-def check_local(workdir) -> None:
-  """A workdir is written through the file system: a URL would become a local directory
-  named like it (and a run's checkpoints would silently stay on this machine)."""
+def _refuse_url(workdir) -> None:
+  """Workdirs are written through the file system: a URL would become a local directory
+  named like it (and leave a run's checkpoints on this machine)."""
   if "://" in str(workdir):
     raise UserError(f"workdir {workdir} is a URL: give a file system path (a bucket mounted "
                     f"with e.g. gcsfuse works)")
 
 
-def not_a_workdir(path) -> UserError:
-  return UserError(f"workdir {path} " + ("is a file, not a directory" if Path(path).exists()
-                                         else "does not exist"))
+def workdir_path(workdir, must_exist: bool = True) -> Path:
+  """The workdir as a Path, or a one-line UserError for a URL, a file, or (if it must exist)
+  a missing one."""
+  _refuse_url(workdir)
+  path = Path(workdir)
+  if path.exists() and not path.is_dir():
+    raise UserError(f"workdir {workdir} is a file, not a directory")
+  if must_exist and not path.exists():
+    raise UserError(f"workdir {workdir} does not exist")
+  return path
 
 
 def load_workdir(workdir, step: int | None = None):
   """(config, params, tokenizer) from a workdir written by train.py, on the default device."""
   from seq2seq.data import Tokenizer
-  check_local(workdir)
-  workdir = Path(workdir)
-  if not workdir.is_dir():
-    raise not_a_workdir(workdir)
+  workdir = workdir_path(workdir)
   cfg = read_config(workdir)
   if cfg is None:
     raise UserError(f"{workdir} holds no {CONFIG_FILE}: is it a train.py workdir?")
@@ -307,10 +311,8 @@ def main(argv=None) -> int:
   try:
     if args.last < 1:
       raise UserError(f"--last must be >= 1, got {args.last}")
-    check_local(args.workdir)
-    check_local(args.output)
-    if not Path(args.workdir).is_dir():
-      raise not_a_workdir(args.workdir)
+    workdir_path(args.workdir)
+    _refuse_url(args.output)
     steps = write_averaged_workdir(args.workdir, args.output, args.last)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

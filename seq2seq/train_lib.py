@@ -300,10 +300,7 @@ def resolve_config(workdir, name: str | None = None, overrides: list[str] = ()) 
 def prepare_workdir(cfg: Config, workdir) -> Config:
   """Creates/validates the workdir. A workdir that already holds a run must be resumed with
   the same model and data config (the run's train section may change, e.g. more steps)."""
-  ckpt_lib.check_local(workdir)
-  workdir = Path(workdir)
-  if workdir.exists() and not workdir.is_dir():
-    raise ckpt_lib.not_a_workdir(workdir)
+  workdir = ckpt_lib.workdir_path(workdir, must_exist=False)
   try:
     workdir.mkdir(parents=True, exist_ok=True)
     # A probe of its own: processes of a multi-host run check the same workdir at once.
