@@ -26,6 +26,7 @@ import time
 from seq2seq.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET_S = 120.0   # issue 7
 
 
 def main(argv=None):
@@ -66,7 +67,8 @@ def main(argv=None):
   print(f"{res['command']}: time to {100 * args.target:.0f}% validation exact match: "
         + (f"{res['time_to_target_s']:.0f} s (step {res['target_step']})" if hit else "not reached")
         + f"; total {total:.0f} s; test exact match {test.get('exact_match')} on "
-        f"{test.get('examples')} examples; compile cache {res['compile_cache']}; target <= 120 s")
+        f"{test.get('examples')} examples; compile cache {res['compile_cache']}; "
+        f"target <= {TARGET_S:.0f} s")
   for r in res["validation"]:
     print(f"  step {r['step']:4d} at {r['t_s']:5.0f} s: exact match {r['exact_match']:.3f}")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -1,0 +1,136 @@
+"""bench/scorecard.py reads what the benchmarks really write: short runs of bench_train.py,
+bench_decode.py and bench_input.py feed it, and each verdict is checked against the JSON
+and the issue's target directly."""
+import copy
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+import bench_decode  # noqa: E402
+import bench_input  # noqa: E402
+import bench_train  # noqa: E402
+import scorecard  # noqa: E402
+
+
+def _rows(rows):
+  return {r.what: r for r in rows}
+
+
+def _verdict(value, target, higher=True):
+  return "met" if (value >= target if higher else value <= target) else "MISSED"
+
+
+@pytest.fixture(scope="module")
+def decode_json(tmp_path_factory):
+  out = tmp_path_factory.mktemp("decode") / "cache.json"
+  bench_decode.main(["--models", "small", "--strategies", "greedy", "--modes", "cached,full",
+                     "--repeats", "1", "--out", str(out)])
+  return json.loads(out.read_text())
+
+
+def test_decode_rows_come_from_bench_decode(decode_json):
+  r = decode_json["results"][0]
+  rows = _rows(scorecard.score({"decode_f32": decode_json, "cache": decode_json}))
+
+  greedy = rows["decode small greedy f32, tokens/s"]
+  assert greedy.value == r["cached"]["tokens_per_s"]
+  assert greedy.verdict == _verdict(r["cached"]["tokens_per_s"], 6000)
+  speed = rows["KV cache speedup over recomputation, small greedy"]
+  assert speed.value == pytest.approx(r["cached"]["tokens_per_s"] / r["full"]["tokens_per_s"])
+  assert speed.verdict == _verdict(speed.value, 8)
+  compile_row = rows["decode loop compile s (slowest)"]
+  assert compile_row.value == r["cached"]["compile_s"]
+  assert compile_row.verdict == _verdict(r["cached"]["compile_s"], 15, higher=False)
+  for what in ("decode small beam4 f32, tokens/s", "decode base greedy f32, tokens/s",
+               "decode small greedy bf16, tokens/s", "train small f32, target tokens/s",
+               "time to 99% exact match of python train.py, s"):
+    assert rows[what].verdict == "not measured"
+
+
+def test_decode_on_another_workload_is_shown_but_not_counted(decode_json):
+  short = copy.deepcopy(decode_json)
+  short["meta"]["args"]["new_tokens"] = 8
+  rows = _rows(scorecard.score({"decode_f32": short, "cache": short}))
+  greedy = rows["decode small greedy f32, tokens/s"]
+  assert greedy.value == short["results"][0]["cached"]["tokens_per_s"]
+  assert greedy.verdict == "not counted" and "new_tokens 8" in greedy.not_counted
+  assert rows["KV cache speedup over recomputation, small greedy"].verdict == "not counted"
+  assert rows["decode loop compile s (slowest)"].verdict == "not measured"
+
+
+def test_a_result_in_the_wrong_dtype_slot_is_refused(decode_json):
+  with pytest.raises(ValueError, match="float32 run"):
+    scorecard.score({"decode_bf16": decode_json})
+
+
+def test_train_rows_come_from_bench_train(tmp_path):
+  out = tmp_path / "train.json"
+  bench_train.main(["--presets", "small", "--dtypes", "float32", "--steps", "1", "--warmup",
+                    "0", "--out", str(out)])
+  res = json.loads(out.read_text())
+  r = res["results"][0]
+  rows = _rows(scorecard.score({"train": res}))
+  small = rows["train small f32, target tokens/s"]
+  assert small.value == r["tokens_per_s"]
+  assert small.verdict == _verdict(r["tokens_per_s"], 2800)
+  assert f"MFU {100 * r['mfu']:.0f}%" in small.detail
+  assert rows["train small, peak RSS GB"].value == r["peak_rss_mb"] / 1024
+  assert rows["train base f32, target tokens/s"].verdict == "not measured"
+  assert rows["train base, first-step compile s"].verdict == "not measured"
+
+
+def test_input_rows_come_from_bench_input(tmp_path):
+  out = tmp_path / "input.json"
+  bench_input.main(["--datasets", "numbers", "--root", str(tmp_path / "root"), "--seconds",
+                    "0.5", "--repeats", "2", "--out", str(out)])
+  res = json.loads(out.read_text())
+  p = res["pipelines"]["numbers"]
+  row = _rows(scorecard.score({"input": res}))[
+      "input pipeline numbers, x the train step's batches/s"]
+  assert row.value == p["ratio_to_train_step"]
+  assert row.verdict == _verdict(p["batches_per_s"] / res["train_step"]["steps_per_s"], 20)
+
+
+def test_peers_give_a_ratio_column():
+  peers = {"results": [
+      dict(preset="small", mode="train", dtype="float32", tokens_per_s=1000.0),
+      dict(preset="small", mode="decode_cached", dtype="bfloat16", strategy="beam4",
+           tokens_per_s=800.0),
+      dict(preset="base", mode="train", dtype="float32", failed=True, returncode=1)]}
+  train = {"results": [dict(preset="small", dtype="float32", batch=32, length=64, vocab=8000,
+                            tokens_per_s=2500.0, mfu=0.5, matmul_peak_flops_per_s=2e11,
+                            limit_tokens_per_s=5000.0, compile_s=5.0, peak_rss_mb=1024.0)]}
+  rows = scorecard.score({"train": train}, peers)
+  by = _rows(rows)
+  assert by["train small f32, target tokens/s"].peer == 1000.0
+  assert by["decode small beam4 bf16, tokens/s"].peer == 800.0
+  assert by["train base f32, target tokens/s"].peer is None
+  line = next(l for l in scorecard.table(rows).splitlines()
+              if l.startswith("| train small f32"))
+  assert "| 2,500 | ≥ 2,800 | MISSED | 1,000 | 2.50 |" in line
+
+
+def test_cli_writes_the_table_and_refuses_bad_input(tmp_path, decode_json, capsys):
+  (tmp_path / "decode_f32.json").write_text(json.dumps(decode_json))
+  assert scorecard.main(["--read", "--dir", str(tmp_path)]) == 0
+  md = (tmp_path / "scorecard.md").read_text()
+  rows = scorecard.score({"decode_f32": decode_json})
+  counted = [r for r in rows if r.target is not None]
+  met = sum(r.verdict == "met" for r in counted)
+  missed = sum(r.verdict == "MISSED" for r in counted)
+  assert (f"{met} of {len(counted)} targets met, {missed} missed, "
+          f"{len(counted) - met - missed} not measured, 0 not counted") in md
+  assert md.count("\n| ") == len(rows) + 1   # header + one line per row
+  saved = json.loads((tmp_path / "scorecard.json").read_text())
+  assert [r["verdict"] for r in saved["rows"]] == [r.verdict for r in rows]
+
+  (tmp_path / "train.json").write_text("{not json")
+  with pytest.raises(SystemExit, match=r"train.json: not a benchmark's JSON"):
+    scorecard.main(["--read", "--dir", str(tmp_path)])
+  with pytest.raises(SystemExit, match="does not exist: run without --read"):
+    scorecard.main(["--read", "--dir", str(tmp_path / "nowhere")])
+  with pytest.raises(SystemExit, match="unknown run 'speed'"):
+    scorecard.main(["--runs", "speed"])
