@@ -144,6 +144,7 @@ def main(argv=None):
                                                 "decode.json"))
   args = ap.parse_args(argv)
   decoding.F32_DOTS = args.f32_dots
+  jax.config.update("jax_enable_compilation_cache", False)   # compile times from scratch
 
   rows, cfgs = [], {}
   for name in args.models.split(","):

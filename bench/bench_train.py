@@ -208,6 +208,8 @@ def main(argv=None):
     from seq2seq import malloc
     malloc.keep_freed_memory()   # as train.py does, before JAX starts
     preset, dtype = args._child.split(",")
+    import jax
+    jax.config.update("jax_enable_compilation_cache", False)   # compile times from scratch
     r = run_one(preset, dtype, args.steps, args.warmup)
     print("RESULT " + json.dumps(r), flush=True)
     return

@@ -75,3 +75,19 @@ def test_roofline_limit_is_the_slower_of_compute_and_memory():
   assert r["bound"] == "compute"
   assert r["limit_tokens_per_s"] == pytest.approx(ROWS / 3.0)
   assert r["fraction_of_peak"] == pytest.approx(CACHE_LEN * 3.0 / 2.0)
+
+
+def test_compile_times_are_from_scratch_with_a_persistent_cache_configured(tmp_path):
+  # JAX_COMPILATION_CACHE_DIR turns JAX's disk cache on in any process: a second run would
+  # then report loading a program from disk as its compile time.
+  import subprocess
+  cache = tmp_path / "jax"
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "bench_decode.py")
+  p = subprocess.run([sys.executable, bench, "--models", "small", "--strategies", "greedy",
+                      "--modes", "cached", "--new_tokens", "4", "--repeats", "1", "--out",
+                      str(tmp_path / "d.json")], env=env, capture_output=True, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert not cache.exists() or not any(cache.iterdir())
