@@ -65,6 +65,8 @@ STRATEGIES = {"greedy": decoding.Greedy(), "beam4": decoding.Beam(size=4, alpha=
 # Targets for later optimisation (issue 5), cached tokens/s on the reference CPU.
 TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
+TARGET_SPEEDUP = 8.0      # cached >= 8x recomputation, small greedy, 64 new tokens
+TARGET_COMPILE_S = 15.0   # the decode loop compiles in at most this
 BOS, EOS = 1, 2
 COST_FORMULA = ("FLOPs/step = 2N[N_d(6d^2 + 2d*d_ff + 2Ld + 2Sd) + dV]; bytes/step = "
                 "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N_d*d(N*L + B*S)]")
@@ -216,9 +218,9 @@ def main(argv=None):
   small_greedy = next((r for r in rows if r["model"] == "small" and r["strategy"] == "greedy"
                        and "speedup" in r), None)
   if small_greedy:
-    ok = small_greedy["speedup"] >= 8
+    ok = small_greedy["speedup"] >= TARGET_SPEEDUP
     print(f"\nsmall greedy: cache is {small_greedy['speedup']:.1f}x faster than recomputing "
-          f"({'meets' if ok else 'MISSES'} the >= 8x requirement)")
+          f"({'meets' if ok else 'MISSES'} the >= {TARGET_SPEEDUP:.0f}x requirement)")
 
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
