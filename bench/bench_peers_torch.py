@@ -10,6 +10,10 @@ project venv clean; pin the versions: the CPU torch wheel, not a multi-GB CUDA b
     python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch==2.13.0 numpy
     /work/torchvenv/bin/pip install transformers==5.23.0   # decode_cached only
 
+(Here pip finds the CPU wheel, 2.13.0+cpu, in the machine's local wheel directory; elsewhere
+add `--index-url https://download.pytorch.org/whl/cpu` to the torch line, or PyPI's
+default build brings the CUDA libraries.)
+
 (transformers pulls in tokenizers, safetensors and huggingface_hub; sentencepiece is NOT
 needed: no tokenizer is built and nothing is downloaded. Without transformers the
 decode_cached rows fail and the other modes still run.)
