@@ -1,6 +1,6 @@
 """Issue 7's targets on this machine: runs every speed benchmark, then one table, met or missed.
 
-    python bench/scorecard.py            # all of them: ~6 min on 2 CPU cores (A)
+    python bench/scorecard.py            # all of them: ~11 min on 2 CPU cores (A)
     python bench/scorecard.py --read     # only re-read the results in bench/results/scorecard/
     python bench/scorecard.py --runs decode_bf16,cache   # re-run only those
     python bench/scorecard.py --read --peers bench/results/peers_torch.json   # + PyTorch peers
@@ -12,10 +12,12 @@ The runs, one after another (each its own process, so none shares the cores with
     cache.json           bench_decode.py --models small --strategies greedy --modes cached,full
     time_to_target.json  bench_time_to_target.py              `python train.py`, cold
     input.json           bench_input.py
+    precision.json       bench_precision.py                   bf16 vs f32 curves (+ .png)
 Then scorecard.md (the table, for a note) and scorecard.json beside them. A result measured
 on another workload than the issue's (say `--new_tokens 8`), or a time to target with a warm
 compile cache, is shown but not counted. The decode targets name no dtype: each dtype gets
-its row. Peers come from bench_peers_torch.py, run in its own venv (see its docstring).
+its row. Mixed precision is met when even its worst bf16 - f32 pair (mean |d| / loss over
+the last 100 of 300 steps) is below the closest seed-to-seed pair: inside the noise. Peers come from bench_peers_torch.py, run in its own venv (see its docstring).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ RUNS = {  # name -> (command after `python bench/`, what, minutes on A)
                "cached,full"], "KV cache against recomputation", 1),
     "time_to_target": (["bench_time_to_target.py"], "python train.py from a cold start", 1),
     "input": (["bench_input.py"], "input pipeline against the train step", 1),
+    "precision": (["bench_precision.py"], "bf16 against f32 loss curves, 3 seeds x 300 steps",
+                  5),
 }
 SHORT = {"float32": "f32", "bfloat16": "bf16"}
 
@@ -52,8 +56,9 @@ SHORT = {"float32": "f32", "bfloat16": "bf16"}
 @dataclasses.dataclass
 class Row:
   what: str
-  target: float | None = None     # None: reported only
+  target: float | None = None
   higher_is_better: bool = True
+  reported_only: bool = False     # a figure the issue asks for, with no target
   value: float | None = None      # None: not measured
   detail: str = ""
   not_counted: str = ""           # why a measured value doesn't count
@@ -65,7 +70,7 @@ class Row:
       return "not measured"
     if self.not_counted:
       return "not counted"
-    if self.target is None:
+    if self.reported_only:
       return ""
     ok = self.value >= self.target if self.higher_is_better else self.value <= self.target
     return "met" if ok else "MISSED"
@@ -95,7 +100,7 @@ def _train_rows(res: dict | None) -> list[Row]:
   rows.append(compile_row)
   for preset in bench_train.WORKLOADS:
     mine = [r for (p, _), r in sorted(got.items()) if p == preset]
-    rss = Row(f"train {preset}, peak RSS GB")
+    rss = Row(f"train {preset}, peak RSS GB", reported_only=True)
     if mine:
       rss.value = max(r["peak_rss_mb"] for r in mine) / 1024
       rss.detail = ", ".join(f"{SHORT[r['dtype']]} {r['peak_rss_mb'] / 1024:.1f}" for r in mine)
@@ -178,6 +183,27 @@ def _input_rows(res: dict | None) -> list[Row]:
   return rows or [Row("input pipeline, x the train step's batches/s", REQUIRED_RATIO)]
 
 
+def _precision_row(res: dict | None) -> Row:
+  row = Row("bf16 vs f32 loss: worst pair's mean difference / loss, last 100 steps, %",
+            higher_is_better=False)
+  summary = (res or {}).get("summary", {})
+  if "dtype" not in summary:
+    return row
+  d = summary["dtype"]["mean_rel_diff"]
+  row.value = 100 * d[1]
+  args = res["meta"]["args"]
+  if "seed" not in summary:
+    row.not_counted = "one seed: no seed-to-seed noise to judge against"
+    return row
+  s = summary["seed"]["mean_rel_diff"]
+  row.target = 100 * s[0]   # the closest seed-to-seed pair
+  row.detail = (f"bf16 - f32 {100 * d[0]:.2f}-{100 * d[1]:.2f}%, seed to seed "
+                f"{100 * s[0]:.2f}-{100 * s[1]:.2f}% ({summary['seed']['pairs']} pairs)")
+  if args.get("steps") not in (None, 300):
+    row.not_counted = f"{args.get('steps')} steps"
+  return row
+
+
 def _add_peers(rows: list[Row], peers: dict) -> None:
   got = {}
   for r in peers.get("results", []):
@@ -195,7 +221,8 @@ def _add_peers(rows: list[Row], peers: dict) -> None:
 def score(results: dict[str, dict | None], peers: dict | None = None) -> list[Row]:
   """The scorecard's rows from the benchmarks' JSON (None or absent: not run)."""
   rows = (_train_rows(results.get("train")) + _decode_rows(results)
-          + [_time_row(results.get("time_to_target"))] + _input_rows(results.get("input")))
+          + [_time_row(results.get("time_to_target"))] + _input_rows(results.get("input"))
+          + [_precision_row(results.get("precision"))])
   if peers:
     _add_peers(rows, peers)
   return rows
@@ -227,7 +254,7 @@ def table(rows: list[Row]) -> str:
 
 
 def summary(rows: list[Row]) -> str:
-  verdicts = [r.verdict for r in rows if r.target is not None]
+  verdicts = [r.verdict for r in rows if not r.reported_only]
   return (f"{verdicts.count('met')} of {len(verdicts)} targets met, "
           f"{verdicts.count('MISSED')} missed, {verdicts.count('not measured')} not measured, "
           f"{verdicts.count('not counted')} not counted")

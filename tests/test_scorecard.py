@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
@@ -13,6 +14,9 @@ import bench_decode  # noqa: E402
 import bench_input  # noqa: E402
 import bench_train  # noqa: E402
 import scorecard  # noqa: E402
+
+
+PRECISION = "bf16 vs f32 loss: worst pair's mean difference / loss, last 100 steps, %"
 
 
 def _rows(rows):
@@ -118,7 +122,7 @@ def test_cli_writes_the_table_and_refuses_bad_input(tmp_path, decode_json, capsy
   assert scorecard.main(["--read", "--dir", str(tmp_path)]) == 0
   md = (tmp_path / "scorecard.md").read_text()
   rows = scorecard.score({"decode_f32": decode_json})
-  counted = [r for r in rows if r.target is not None]
+  counted = [r for r in rows if not r.reported_only]
   met = sum(r.verdict == "met" for r in counted)
   missed = sum(r.verdict == "MISSED" for r in counted)
   assert (f"{met} of {len(counted)} targets met, {missed} missed, "
@@ -134,3 +138,43 @@ def test_cli_writes_the_table_and_refuses_bad_input(tmp_path, decode_json, capsy
     scorecard.main(["--read", "--dir", str(tmp_path / "nowhere")])
   with pytest.raises(SystemExit, match="unknown run 'speed'"):
     scorecard.main(["--runs", "speed"])
+
+
+def _precision_result(seeds, bf16_noise, steps_arg=None):
+  """bench_precision.py's JSON for made-up curves, through its own compare/summarize."""
+  import bench_precision
+  rng = np.random.default_rng(0)
+  steps = list(range(1, 301))
+  curve = 3 * np.exp(-np.arange(300) / 60) + 0.1
+  runs = {}
+  for seed in range(seeds):
+    f32 = curve * (1 + 0.05 * rng.standard_normal(300))    # another seed: ~5% apart
+    runs[f"float32_s{seed}"] = dict(steps=steps, loss=list(f32))
+    runs[f"bfloat16_s{seed}"] = dict(
+        steps=steps, loss=list(f32 * (1 + bf16_noise * rng.standard_normal(300))))
+  pairs = bench_precision.pairs(seeds)
+  comps = {p: bench_precision.compare(runs[p[0]], runs[p[1]], bench_precision.WINDOW)
+           for ps in pairs.values() for p in ps}
+  res = dict(meta=dict(args=dict(steps=steps_arg, seeds=seeds)),
+             summary=bench_precision.summarize(comps, pairs))
+  return res, comps, pairs
+
+
+@pytest.mark.parametrize("bf16_noise", [0.002, 0.2])
+def test_precision_is_met_only_inside_the_seed_noise(bf16_noise):
+  res, comps, pairs = _precision_result(3, bf16_noise)
+  row = _rows(scorecard.score({"precision": res}))[PRECISION]
+  worst_dtype = max(comps[p]["mean_rel_diff"] for p in pairs["dtype"])
+  closest_seeds = min(comps[p]["mean_rel_diff"] for p in pairs["seed"])
+  assert row.value == pytest.approx(100 * worst_dtype)
+  assert row.target == pytest.approx(100 * closest_seeds)
+  assert row.verdict == ("met" if worst_dtype < closest_seeds else "MISSED")
+  assert row.verdict == ("met" if bf16_noise < 0.05 else "MISSED")
+
+
+def test_precision_with_one_seed_or_short_runs_is_not_counted():
+  row = _rows(scorecard.score({"precision": _precision_result(1, 0.002)[0]}))[PRECISION]
+  assert row.verdict == "not counted" and "one seed" in row.not_counted
+  row = _rows(scorecard.score({"precision": _precision_result(2, 0.002, 30)[0]}))[PRECISION]
+  assert row.verdict == "not counted" and row.not_counted == "30 steps"
+  assert _rows(scorecard.score({}))[PRECISION].verdict == "not measured"
