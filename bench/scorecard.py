@@ -59,6 +59,7 @@ class Row:
   target: float | None = None
   higher_is_better: bool = True
   reported_only: bool = False     # a figure the issue asks for, with no target
+  key: tuple = ()                 # (mode, preset, dtype[, strategy]): where a peer's figure goes
   value: float | None = None      # None: not measured
   detail: str = ""
   not_counted: str = ""           # why a measured value doesn't count
@@ -81,7 +82,8 @@ def _train_rows(res: dict | None) -> list[Row]:
          if not r.get("failed")}
   rows = []
   for (preset, dtype), target in bench_train.TARGETS.items():
-    row = Row(f"train {preset} {SHORT[dtype]}, target tokens/s", target)
+    row = Row(f"train {preset} {SHORT[dtype]}, target tokens/s", target,
+              key=("train", preset, dtype))
     r = got.get((preset, dtype))
     if r:
       w = bench_train.WORKLOADS[preset]
@@ -125,7 +127,8 @@ def _decode_rows(results: dict[str, dict | None]) -> list[Row]:
     wrong = _decode_workload_issue(res) if res else ""
     got = {(r["model"], r["strategy"]): r for r in res.get("results", []) if "cached" in r}
     for (model, strategy), target in bench_decode.TARGETS.items():
-      row = Row(f"decode {model} {strategy} {SHORT[dtype]}, tokens/s", target)
+      row = Row(f"decode {model} {strategy} {SHORT[dtype]}, tokens/s", target,
+                key=("decode_cached", model, dtype, strategy))
       r = got.get((model, strategy))
       if r:
         c = r["cached"]
@@ -161,16 +164,17 @@ def _decode_rows(results: dict[str, dict | None]) -> list[Row]:
 
 def _time_row(res: dict | None) -> Row:
   row = Row("time to 99% exact match of python train.py, s", TARGET_S, higher_is_better=False)
-  if res and res.get("time_to_target_s") is not None:
+  if not res:
+    return row
+  if res.get("time_to_target_s") is None:
+    row.value, row.detail = float("inf"), "target not reached"
+  else:
     row.value = res["time_to_target_s"]
     row.detail = f"step {res['target_step']}, whole run {res['total_s']:.0f} s"
-    if res.get("command") != "python train.py" or res.get("target") != 0.99:
-      row.not_counted = f"ran {res.get('command')!r} to {res.get('target')}"
-    elif res.get("compile_cache") != "empty":
-      row.not_counted = "warm compile cache"
-  elif res:
-    row.detail = "target not reached"
-    row.value = float("inf")
+  if res.get("command") != "python train.py" or res.get("target") != 0.99:
+    row.not_counted = f"ran {res.get('command')!r} to {res.get('target')}"
+  elif res.get("compile_cache") != "empty":
+    row.not_counted = "warm compile cache"
   return row
 
 
@@ -207,15 +211,11 @@ def _precision_row(res: dict | None) -> Row:
 def _add_peers(rows: list[Row], peers: dict) -> None:
   got = {}
   for r in peers.get("results", []):
-    if r.get("failed"):
-      continue
-    if r["mode"] == "train":
-      got[f"train {r['preset']} {SHORT[r['dtype']]}, target tokens/s"] = r["tokens_per_s"]
-    elif r["mode"] == "decode_cached":
-      got[f"decode {r['preset']} {r['strategy']} {SHORT[r['dtype']]}, tokens/s"] = \
-          r["tokens_per_s"]
+    if not r.get("failed"):
+      strategy = (r["strategy"],) if r["mode"] == "decode_cached" else ()
+      got[(r["mode"], r["preset"], r["dtype"]) + strategy] = r["tokens_per_s"]
   for row in rows:
-    row.peer = got.get(row.what)
+    row.peer = got.get(row.key) if row.key else None
 
 
 def score(results: dict[str, dict | None], peers: dict | None = None) -> list[Row]:
