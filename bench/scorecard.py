@@ -338,14 +338,15 @@ def main(argv=None) -> int:
   except (ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {e}" if isinstance(e, ValueError)
              else f"error: a result in {args.dir} lacks {e}: re-run its benchmark")
-  md = (f"Issue 7 scorecard, {time.strftime('%Y-%m-%d %H:%M')}, {machine()}; results in "
+  host = machine()
+  md = (f"Issue 7 scorecard, {time.strftime('%Y-%m-%d %H:%M')}, {host}; results in "
         f"{args.dir}\n\n{table(rows)}\n\n{summary(rows)}\n")
   print("\n" + md)
   os.makedirs(args.dir, exist_ok=True)
   with open(os.path.join(args.dir, "scorecard.md"), "w") as f:
     f.write(md)
   with open(os.path.join(args.dir, "scorecard.json"), "w") as f:
-    json.dump(dict(machine=machine(), summary=summary(rows),
+    json.dump(dict(machine=host, summary=summary(rows),
                    rows=[dict(dataclasses.asdict(r), verdict=r.verdict,
                               value=None if r.value == float("inf") else r.value)
                          for r in rows]),
