@@ -291,13 +291,16 @@ def read_results(directory: str) -> dict[str, dict | None]:
 
 
 def run(names: list[str], directory: str) -> list[str]:
-  """Runs the benchmarks `names` one after another; returns the ones that failed."""
+  """Runs the benchmarks `names` one after another (each replacing its JSON in `directory`);
+  returns the ones that failed."""
   os.makedirs(directory, exist_ok=True)
   failed, t0 = [], time.time()
   left = sum(RUNS[n][2] for n in names)
   for i, name in enumerate(names):
     cmd, what, minutes = RUNS[name]
     out = os.path.join(directory, f"{name}.json")
+    if os.path.exists(out):   # a run that fails must not leave an older result to be read
+      os.remove(out)
     print(f"\n[{i + 1}/{len(names)}] {what}: python bench/{' '.join(cmd)} (~{minutes} min on A; "
           f"~{left} min left)", file=sys.stderr, flush=True)
     t = time.time()

@@ -178,3 +178,13 @@ def test_precision_with_one_seed_or_short_runs_is_not_counted():
   row = _rows(scorecard.score({"precision": _precision_result(2, 0.002, 30)[0]}))[PRECISION]
   assert row.verdict == "not counted" and row.not_counted == "30 steps"
   assert _rows(scorecard.score({}))[PRECISION].verdict == "not measured"
+
+
+def test_a_failed_run_does_not_leave_its_older_result_counted(tmp_path, decode_json,
+                                                              monkeypatch):
+  (tmp_path / "cache.json").write_text(json.dumps(decode_json))
+  monkeypatch.setitem(scorecard.RUNS, "cache",
+                      (["bench_decode.py", "--models", "no_such_model"], "fails", 1))
+  assert scorecard.main(["--runs", "cache", "--dir", str(tmp_path)]) == 1
+  saved = {r["what"]: r for r in json.loads((tmp_path / "scorecard.json").read_text())["rows"]}
+  assert saved["KV cache speedup over recomputation, small greedy"]["verdict"] == "not measured"
