@@ -4,6 +4,7 @@
     python bench/scorecard.py --read     # only re-read the results in bench/results/scorecard/
     python bench/scorecard.py --runs decode_bf16,cache   # re-run only those
     python bench/scorecard.py --read --peers bench/results/peers_torch.json   # + PyTorch peers
+    python bench/scorecard.py --rounds 3   # train and decode speed 3 times, median: ~25 min
 
 The runs, one after another (each its own process, so none shares the cores with another):
     train.json           bench_train.py --steps 8             small and base, f32 and bf16
@@ -17,15 +18,24 @@ Then scorecard.md (the table, for a note) and scorecard.json beside them. A resu
 on another workload than the issue's (say `--new_tokens 8`), or a time to target with a warm
 compile cache, is shown but not counted. The decode targets name no dtype: each dtype gets
 its row. Mixed precision is met when even its worst bf16 - f32 pair (mean |d| / loss over
-the last 100 of 300 steps) is below the closest seed-to-seed pair: inside the noise. Peers come from bench_peers_torch.py, run in its own venv (see its docstring).
+the last 100 of 300 steps) is below the closest seed-to-seed pair: inside the noise. Peers
+come from bench_peers_torch.py, run in its own venv (see its docstring).
+
+On a shared machine one run of a speed benchmark can land a quarter above or below the
+next. `--rounds N` runs the train and decode speed benchmarks N times, interleaved (train,
+decode f32, decode bf16, then again), keeps each round's JSON (train.round1.json, ...) and
+writes train.json etc. with, per workload, the round of median tokens/s (the lower middle
+one for an even N) with all its figures, and every round's tokens/s beside it.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +60,7 @@ RUNS = {  # name -> (command after `python bench/`, what, minutes on A)
     "precision": (["bench_precision.py"], "bf16 against f32 loss curves, 3 seeds x 300 steps",
                   5),
 }
+ROUNDED = ("train", "decode_f32", "decode_bf16")   # figures that move with the machine's load
 SHORT = {"float32": "f32", "bfloat16": "bf16"}
 
 
@@ -77,6 +88,40 @@ class Row:
     return "met" if ok else "MISSED"
 
 
+def _rounds(r: dict) -> str:
+  speeds = r.get("rounds_tokens_per_s", [])
+  return (f"; median of {len(speeds)} rounds: {' / '.join(f'{x:,.0f}' for x in speeds)}"
+          if len(speeds) > 1 else "")
+
+
+def _workload(name: str, r: dict) -> tuple:
+  return (r["preset"], r["dtype"]) if name == "train" else (r["model"], r["strategy"])
+
+
+def _speed(name: str, r: dict) -> float:
+  return r["tokens_per_s"] if name == "train" else r["cached"]["tokens_per_s"]
+
+
+def merge_rounds(name: str, rounds: list[dict]) -> dict:
+  """One JSON of run `name` (train or decode_*) from its rounds' JSON: per workload, the
+  round with the median tokens/s (the lower middle one for an even count) with all its
+  figures (a decode record also gets its round's `matmul_peak`), plus `rounds_tokens_per_s`,
+  every round's, in order. A workload that failed in a round is left out of it."""
+  by = collections.defaultdict(list)
+  for res in rounds:
+    for r in res["results"]:
+      if not r.get("failed") and (name == "train" or "cached" in r):
+        if name != "train":   # a decode record's % of peak is against its own round's peak
+          r = dict(r, matmul_peak=res["meta"]["matmul_peak"])
+        by[_workload(name, r)].append(r)
+  merged = []
+  for recs in by.values():
+    speeds = [_speed(name, r) for r in recs]
+    median = recs[speeds.index(statistics.median_low(speeds))]
+    merged.append(dict(median, rounds_tokens_per_s=speeds))
+  return dict(meta=dict(rounds[0]["meta"], rounds=len(rounds)), results=merged)
+
+
 def _train_rows(res: dict | None) -> list[Row]:
   got = {(r["preset"], r["dtype"]): r for r in (res or {}).get("results", [])
          if not r.get("failed")}
@@ -89,7 +134,7 @@ def _train_rows(res: dict | None) -> list[Row]:
       w = bench_train.WORKLOADS[preset]
       row.value = r["tokens_per_s"]
       row.detail = (f"MFU {100 * r['mfu']:.0f}% of {r['matmul_peak_flops_per_s'] / 1e9:.0f} "
-                    f"GFLOP/s; at 100% MFU {r['limit_tokens_per_s']:,.0f}")
+                    f"GFLOP/s; at 100% MFU {r['limit_tokens_per_s']:,.0f}{_rounds(r)}")
       if (r["batch"], r["length"], r["vocab"]) != (w["batch"], w["length"], w["vocab_size"]):
         row.not_counted = f"batch {r['batch']}x{r['length']}, vocab {r['vocab']}"
     rows.append(row)
@@ -133,9 +178,10 @@ def _decode_rows(results: dict[str, dict | None]) -> list[Row]:
       if r:
         c = r["cached"]
         row.value = c["tokens_per_s"]
+        peak = r.get("matmul_peak", res["meta"]["matmul_peak"])["flops_per_s"]
         row.detail = (f"{100 * c['roofline']['fraction_of_peak']:.0f}% of "
-                      f"{res['meta']['matmul_peak']['flops_per_s'] / 1e9:.0f} GFLOP/s; "
-                      f"roofline limit {c['roofline']['limit_tokens_per_s']:,.0f}")
+                      f"{peak / 1e9:.0f} GFLOP/s; "
+                      f"roofline limit {c['roofline']['limit_tokens_per_s']:,.0f}{_rounds(r)}")
         row.not_counted = wrong or ("" if r["batch"] == bench_decode.WORKLOADS[model]["batch"]
                                     else f"batch {r['batch']}")
         if not row.not_counted:
@@ -290,27 +336,43 @@ def read_results(directory: str) -> dict[str, dict | None]:
   return out
 
 
-def run(names: list[str], directory: str) -> list[str]:
-  """Runs the benchmarks `names` one after another (each replacing its JSON in `directory`);
-  returns the ones that failed."""
+def run(names: list[str], directory: str, rounds: int = 1) -> list[str]:
+  """Runs the benchmarks `names` one after another (each replacing its JSON in `directory`;
+  those in ROUNDED `rounds` times, interleaved, then merged); returns the ones that failed."""
   os.makedirs(directory, exist_ok=True)
+  rounded = [n for n in names if n in ROUNDED] if rounds > 1 else []
+  round_files = {n: [f"{n}.round{k}.json" for k in range(1, rounds + 1)] for n in rounded}
+  plan = [(n, round_files[n][k], f", round {k + 1} of {rounds}")
+          for k in range(rounds) for n in rounded]
+  plan += [(n, f"{n}.json", "") for n in names if n not in rounded]
+  for n in names:   # a run that fails must not leave an older result to be read
+    for f in [f"{n}.json", *round_files.get(n, [])]:
+      if os.path.exists(os.path.join(directory, f)):
+        os.remove(os.path.join(directory, f))
   failed, t0 = [], time.time()
-  left = sum(RUNS[n][2] for n in names)
-  for i, name in enumerate(names):
+  left = sum(RUNS[n][2] for n, _, _ in plan)
+  for i, (name, filename, round_k) in enumerate(plan):
     cmd, what, minutes = RUNS[name]
-    out = os.path.join(directory, f"{name}.json")
-    if os.path.exists(out):   # a run that fails must not leave an older result to be read
-      os.remove(out)
-    print(f"\n[{i + 1}/{len(names)}] {what}: python bench/{' '.join(cmd)} (~{minutes} min on A; "
-          f"~{left} min left)", file=sys.stderr, flush=True)
+    out = os.path.join(directory, filename)
+    print(f"\n[{i + 1}/{len(plan)}] {what}{round_k}: python bench/{' '.join(cmd)} "
+          f"(~{minutes} min on A; ~{left} min left)", file=sys.stderr, flush=True)
     t = time.time()
     proc = subprocess.run([sys.executable, os.path.join(HERE, cmd[0]), *cmd[1:], "--out", out])
     left -= minutes
-    print(f"[{i + 1}/{len(names)}] {name}: {'done' if proc.returncode == 0 else 'FAILED'} in "
+    print(f"[{i + 1}/{len(plan)}] {name}: {'done' if proc.returncode == 0 else 'FAILED'} in "
           f"{time.time() - t:.0f} s ({(time.time() - t0) / 60:.1f} min in all)",
           file=sys.stderr, flush=True)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and name not in failed:
       failed.append(name)
+  for name in rounded:
+    results = []
+    for f in round_files[name]:
+      if os.path.exists(os.path.join(directory, f)):
+        with open(os.path.join(directory, f)) as fh:
+          results.append(json.load(fh))
+    if results:
+      with open(os.path.join(directory, f"{name}.json"), "w") as fh:
+        json.dump(merge_rounds(name, results), fh, indent=2)
   return failed
 
 
@@ -321,7 +383,12 @@ def main(argv=None) -> int:
   ap.add_argument("--read", action="store_true", help="run nothing, read what --dir holds")
   ap.add_argument("--runs", default=",".join(RUNS), help="which benchmarks to run")
   ap.add_argument("--peers", default="", help="bench_peers_torch.py's JSON, for peer columns")
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="run the train and decode speed benchmarks this many times, interleaved, "
+                       "and score each workload's median round")
   args = ap.parse_args(argv)
+  if args.rounds < 1:
+    sys.exit(f"error: --rounds must be at least 1, got {args.rounds}")
   names = [n for n in args.runs.split(",") if n]
   unknown = [n for n in names if n not in RUNS]
   if unknown:
@@ -335,7 +402,7 @@ def main(argv=None) -> int:
       sys.exit(f"error: --peers {args.peers}: {e}")
   if args.read and not os.path.isdir(args.dir):
     sys.exit(f"error: {args.dir} does not exist: run without --read first")
-  failed = [] if args.read else run(names, args.dir)
+  failed = [] if args.read else run(names, args.dir, args.rounds)
   try:
     rows = score(read_results(args.dir), peers)
   except (ValueError, KeyError, TypeError) as e:

@@ -188,3 +188,63 @@ def test_a_failed_run_does_not_leave_its_older_result_counted(tmp_path, decode_j
   assert scorecard.main(["--runs", "cache", "--dir", str(tmp_path)]) == 1
   saved = {r["what"]: r for r in json.loads((tmp_path / "scorecard.json").read_text())["rows"]}
   assert saved["KV cache speedup over recomputation, small greedy"]["verdict"] == "not measured"
+
+
+def _with_speed(res, tokens_per_s, peak):
+  out = copy.deepcopy(res)
+  out["results"][0]["cached"]["tokens_per_s"] = tokens_per_s
+  out["meta"]["matmul_peak"]["flops_per_s"] = peak
+  return out
+
+
+def test_rounds_are_scored_by_their_median_round(decode_json):
+  v = decode_json["results"][0]["cached"]["tokens_per_s"]
+  speeds, peaks = [1.3 * v, 0.7 * v, 1.1 * v], [3e11, 1e11, 2e11]
+  rounds = [_with_speed(decode_json, s, p) for s, p in zip(speeds, peaks)]
+  row = _rows(scorecard.score({"decode_f32": scorecard.merge_rounds("decode_f32", rounds)}))[
+      "decode small greedy f32, tokens/s"]
+  assert row.value == float(np.median(speeds)) == 1.1 * v
+  assert row.verdict == _verdict(1.1 * v, 6000)
+  assert f"of {2e11 / 1e9:.0f} GFLOP/s" in row.detail     # the median round's own peak
+  assert row.detail.endswith("median of 3 rounds: " + " / ".join(f"{s:,.0f}" for s in speeds))
+  # An even count takes the lower middle round: a target is not met by averaging up to it.
+  row = _rows(scorecard.score({"decode_f32": scorecard.merge_rounds("decode_f32", rounds[:2])}))[
+      "decode small greedy f32, tokens/s"]
+  assert row.value == sorted(speeds[:2])[0]
+
+
+def test_rounds_of_training_leave_out_failed_workloads():
+  def train(tok_s, failed_base=False):
+    rec = dict(dtype="float32", batch=32, length=64, vocab=8000, mfu=0.5,
+               matmul_peak_flops_per_s=2e11, limit_tokens_per_s=5000.0, compile_s=5.0,
+               peak_rss_mb=1024.0)
+    base = (dict(preset="base", dtype="float32", failed=True, returncode=1) if failed_base
+            else dict(rec, preset="base", batch=16, vocab=32000, tokens_per_s=tok_s / 6))
+    return {"meta": {}, "results": [dict(rec, preset="small", tokens_per_s=tok_s), base]}
+  merged = scorecard.merge_rounds("train", [train(2000.0), train(3000.0, True), train(2900.0)])
+  by = {(r["preset"], r["dtype"]): r for r in merged["results"]}
+  assert by[("small", "float32")]["rounds_tokens_per_s"] == [2000.0, 3000.0, 2900.0]
+  assert by[("small", "float32")]["tokens_per_s"] == 2900.0
+  assert by[("base", "float32")]["rounds_tokens_per_s"] == [2000.0 / 6, 2900.0 / 6]
+  rows = _rows(scorecard.score({"train": merged}))
+  assert rows["train small f32, target tokens/s"].verdict == "met"
+  assert rows["train base f32, target tokens/s"].value == 2000.0 / 6
+
+
+def test_cli_rounds_run_interleaved_and_merge(tmp_path, decode_json, monkeypatch, capsys):
+  (tmp_path / "decode_f32.json").write_text(json.dumps(decode_json))   # replaced
+  monkeypatch.setitem(scorecard.RUNS, "decode_f32", (
+      ["bench_decode.py", "--models", "small", "--strategies", "greedy", "--modes", "cached",
+       "--repeats", "1", "--new_tokens", "4"], "tiny decode", 1))
+  assert scorecard.main(["--runs", "decode_f32", "--rounds", "2", "--dir", str(tmp_path)]) == 0
+  speeds = [json.loads((tmp_path / f"decode_f32.round{k}.json").read_text())["results"][0]
+            ["cached"]["tokens_per_s"] for k in (1, 2)]
+  merged = json.loads((tmp_path / "decode_f32.json").read_text())
+  assert merged["meta"]["rounds"] == 2
+  assert merged["results"][0]["rounds_tokens_per_s"] == speeds
+  saved = {r["what"]: r for r in json.loads((tmp_path / "scorecard.json").read_text())["rows"]}
+  greedy = saved["decode small greedy f32, tokens/s"]
+  assert greedy["value"] == min(speeds) and greedy["verdict"] == "not counted"
+  assert "round 2 of 2" in capsys.readouterr().err
+  with pytest.raises(SystemExit, match="--rounds must be at least 1"):
+    scorecard.main(["--rounds", "0"])
