@@ -4,7 +4,7 @@
     python bench/scorecard.py --read     # only re-read the results in bench/results/scorecard/
     python bench/scorecard.py --runs decode_bf16,cache   # re-run only those
     python bench/scorecard.py --read --peers bench/results/peers_torch.json   # + PyTorch peers
-    python bench/scorecard.py --rounds 3   # train and decode speed 3 times, median: ~25 min
+    python bench/scorecard.py --rounds 3   # train and decode speed 3 times, median: ~17 min
 
 The runs, one after another (each its own process, so none shares the cores with another):
     train.json           bench_train.py --steps 8             small and base, f32 and bf16
