@@ -94,30 +94,26 @@ def _rounds(r: dict) -> str:
           if len(speeds) > 1 else "")
 
 
-def _workload(name: str, r: dict) -> tuple:
-  return (r["preset"], r["dtype"]) if name == "train" else (r["model"], r["strategy"])
-
-
-def _speed(name: str, r: dict) -> float:
-  return r["tokens_per_s"] if name == "train" else r["cached"]["tokens_per_s"]
-
-
 def merge_rounds(name: str, rounds: list[dict]) -> dict:
   """One JSON of run `name` (train or decode_*) from its rounds' JSON: per workload, the
   round with the median tokens/s (the lower middle one for an even count) with all its
   figures (a decode record also gets its round's `matmul_peak`), plus `rounds_tokens_per_s`,
   every round's, in order. A workload that failed in a round is left out of it."""
-  by = collections.defaultdict(list)
+  train = name == "train"
+  by = collections.defaultdict(list)   # workload -> [(tokens/s, record)], one per round
   for res in rounds:
     for r in res["results"]:
-      if not r.get("failed") and (name == "train" or "cached" in r):
-        if name != "train":   # a decode record's % of peak is against its own round's peak
-          r = dict(r, matmul_peak=res["meta"]["matmul_peak"])
-        by[_workload(name, r)].append(r)
+      if r.get("failed") or not (train or "cached" in r):
+        continue
+      if train:
+        by[(r["preset"], r["dtype"])].append((r["tokens_per_s"], r))
+      else:   # a decode record's % of peak is against its own round's peak
+        by[(r["model"], r["strategy"])].append(
+            (r["cached"]["tokens_per_s"], dict(r, matmul_peak=res["meta"]["matmul_peak"])))
   merged = []
-  for recs in by.values():
-    speeds = [_speed(name, r) for r in recs]
-    median = recs[speeds.index(statistics.median_low(speeds))]
+  for runs in by.values():
+    speeds = [speed for speed, _ in runs]
+    median = runs[speeds.index(statistics.median_low(speeds))][1]
     merged.append(dict(median, rounds_tokens_per_s=speeds))
   return dict(meta=dict(rounds[0]["meta"], rounds=len(rounds)), results=merged)
 
