@@ -161,12 +161,10 @@ def dense_group(x: jax.Array, denses: Sequence[Dense]) -> list[jax.Array]:
     y = y + jnp.concatenate([d.bias.reshape(-1) if d.use_bias else
                              jnp.zeros((int(np.prod(d.features)),), d.param_dtype)
                              for d in denses])
-  outs, start = [], 0
-  for d in denses:
-    size = int(np.prod(d.features))
-    outs.append(y[:, start:start + size].reshape(x.shape[:x.ndim - n_in] + _shape(d.features)))
-    start += size
-  return outs
+  # lax.split, not slices: its gradient is one concatenate, where slices' is a zero-padded
+  # full-width copy per layer, summed.
+  parts = jax.lax.split(y, [int(np.prod(d.features)) for d in denses], axis=1)
+  return [p.reshape(x.shape[:x.ndim - n_in] + _shape(d.features)) for p, d in zip(parts, denses)]
 
 
 class Embed(nn.Module):

@@ -126,6 +126,9 @@ def test_dense_group_equals_each_dense_alone_values_and_gradients():
                               enumerate(g.apply(p, x, fused)))
   jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5),
                          jax.grad(loss)(p, True), jax.grad(loss)(p, False))
+  # The outputs' gradients are joined by one concatenate, not zero-padded and summed.
+  text = str(jax.make_jaxpr(jax.grad(lambda p: loss(p, True)))(p))
+  assert "concatenate[" in text and " pad[" not in text, text
 
 
 @pytest.mark.parametrize("pre_ln", [False, True])
