@@ -123,10 +123,13 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
               times_s=times)
 
 
-def workload_config(preset: str, dtype: str):
-  """The run's Config: the preset at the workload's vocabulary, batch and length."""
-  import seq2seq
-  from seq2seq.config import Config, TrainConfig
+def workload_config(preset: str, dtype: str, package: str = "seq2seq"):
+  """The run's Config: the preset at the workload's vocabulary, batch and length (built by
+  `package`, the seq2seq package or another version of it: bench/ab.py)."""
+  import importlib
+  seq2seq = importlib.import_module(package)
+  config = importlib.import_module(package + ".config")
+  Config, TrainConfig = config.Config, config.TrainConfig
   w = WORKLOADS[preset]
   model = seq2seq.get_config(preset, vocab_size=w["vocab_size"]).replace(
       dtype=dtype, dropout_rate=0.1, share_embeddings=True, tie_output=True,
