@@ -68,40 +68,22 @@ def export_package(commit: str, into: str, repo: str = ROOT, name: str = OLD) ->
 def train_runner(package: str, preset: str, dtype: str):
   """A function that runs one train step of bench_train.py's workload with `package`."""
   import jax
-  import numpy as np
   import bench_train
-  Trainer = importlib.import_module(package + ".train_lib").Trainer
-  w = bench_train.WORKLOADS[preset]
-  trainer = Trainer(bench_train.workload_config(preset, dtype, package), bos_id=bench_train.BOS)
-  state = [trainer.init(jax.random.key(0)), 0]
-  rng = np.random.default_rng(0)
-  batches = [trainer.global_batch(bench_train.random_batch(rng, w["batch"], w["length"],
-                                                           w["vocab_size"])) for _ in range(4)]
+  trainer, state, _, batches = bench_train.workload(preset, dtype, package)
+  done = [state, 0]   # the state after the steps so far, and their count
 
   def step():
-    s, m = trainer.step(state[0], batches[state[1] % len(batches)])
-    jax.block_until_ready((s, m))
-    state[:] = [s, state[1] + 1]
-    return None
+    state, metrics = trainer.step(done[0], batches[done[1] % len(batches)])
+    jax.block_until_ready((state, metrics))
+    done[:] = [state, done[1] + 1]
   return step
 
 
 def decode_runner(package: str, preset: str, dtype: str, strategy: str):
   """A function that runs one cached decode call of bench_decode.py's workload."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
   import bench_decode
-  seq2seq = importlib.import_module(package)
   decoding = importlib.import_module(package + ".decoding")
-  Transformer = importlib.import_module(package + ".model").Transformer
-  w = bench_decode.WORKLOADS[preset]
-  cfg = seq2seq.get_config(preset, vocab_size=w["vocab_size"]).replace(dropout_rate=0.0,
-                                                                       dtype=dtype)
-  x = jnp.ones((1, 4), jnp.int32)
-  params = decoding.decode_params(cfg, jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x))
-  src = np.random.default_rng(0).integers(3, cfg.vocab_size, (w["batch"], 32)).astype(np.int32)
-  src[:, -1] = bench_decode.EOS
+  cfg, params, src = bench_decode.workload(preset, dtype, package=package)
   want = bench_decode.STRATEGIES[strategy]
   strat = getattr(decoding, type(want).__name__)(**vars(want))   # this package's class
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -53,9 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import seq2seq
 from seq2seq import decoding
-from seq2seq.model import Transformer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import matmul_peak, timed_calls  # noqa: E402
@@ -70,6 +69,23 @@ TARGET_COMPILE_S = 15.0   # the decode loop compiles in at most this
 BOS, EOS = 1, 2
 COST_FORMULA = ("FLOPs/step = 2N[N_d(6d^2 + 2d*d_ff + 2Ld + 2Sd) + dV]; bytes/step = "
                 "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N_d*d(N*L + B*S)]")
+
+
+def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq"):
+  """(config, random params cast as `decode` casts them, source batch [B, src_len]) of the
+  workload `model`, built by `package` (this seq2seq, or another version: bench/ab.py)."""
+  s2s = importlib.import_module(package)
+  dec = importlib.import_module(package + ".decoding")
+  model_cls = importlib.import_module(package + ".model").Transformer
+  w = WORKLOADS[model]
+  cfg = s2s.get_config(model, vocab_size=w["vocab_size"]).replace(dropout_rate=0.0,
+                                                                  dtype=dtype)
+  x = jnp.ones((1, 4), jnp.int32)
+  params = dec.decode_params(cfg, jax.jit(model_cls(cfg).init)(jax.random.key(0), x, x))
+  src = np.random.default_rng(0).integers(3, cfg.vocab_size, (w["batch"], src_len))
+  src = src.astype(np.int32)
+  src[:, -1] = EOS
+  return cfg, params, src
 
 
 def step_cost(cfg, rows: int, cache_len: int, src_len: int,
@@ -151,14 +167,8 @@ def main(argv=None):
   rows, cfgs = [], {}
   for name in args.models.split(","):
     w = WORKLOADS[name]
-    cfg = cfgs[name] = seq2seq.get_config(name, vocab_size=w["vocab_size"]).replace(
-        dropout_rate=0.0, dtype=args.dtype)
-    x = jnp.ones((1, 4), jnp.int32)
-    params = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)
-    params = decoding.decode_params(cfg, params)
-    rng = np.random.default_rng(0)
-    src = rng.integers(3, cfg.vocab_size, (w["batch"], args.src_len)).astype(np.int32)
-    src[:, -1] = EOS
+    cfg, params, src = workload(name, args.dtype, args.src_len)
+    cfgs[name] = cfg
     for sname in args.strategies.split(","):
       result = {}
       for mode in args.modes.split(","):

@@ -140,23 +140,31 @@ def workload_config(preset: str, dtype: str, package: str = "seq2seq"):
                                                label_smoothing=0.1))
 
 
-def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
-  """One (preset, dtype) measurement; meant to run in a fresh process."""
+def workload(preset: str, dtype: str, package: str = "seq2seq"):
+  """(Trainer, initial state, 4 random batches as host arrays, the same as global batches)
+  of the workload, built by `package` (see workload_config)."""
+  import importlib
   import jax
   import numpy as np
-  from seq2seq import malloc
-  from seq2seq.train_lib import Trainer
-
-  rss_start = _vm_hwm_mb()
   w = WORKLOADS[preset]
-  cfg = workload_config(preset, dtype)
-  model = cfg.model
-  trainer = Trainer(cfg, bos_id=BOS)
+  trainer = importlib.import_module(package + ".train_lib").Trainer(
+      workload_config(preset, dtype, package), bos_id=BOS)
   state = trainer.init(jax.random.key(0))
   jax.block_until_ready(state)
   rng = np.random.default_rng(0)
   local = [random_batch(rng, w["batch"], w["length"], w["vocab_size"]) for _ in range(4)]
-  batches = [trainer.global_batch(b) for b in local]
+  return trainer, state, local, [trainer.global_batch(b) for b in local]
+
+
+def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
+  """One (preset, dtype) measurement; meant to run in a fresh process."""
+  import jax
+  from seq2seq import malloc
+
+  rss_start = _vm_hwm_mb()
+  w = WORKLOADS[preset]
+  trainer, state, local, batches = workload(preset, dtype)
+  model = trainer.cfg.model
   tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
   pad_frac = 1.0 - sum(tgt_tokens) / (len(local) * w["batch"] * w["length"])
 
