@@ -122,8 +122,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.pairs < 1 or args.calls < 1:
     sys.exit("error: --pairs and --calls must be at least 1")
+  from seq2seq import malloc
   if args.mode == "train":   # as train.py and bench_train.py do, before JAX starts
-    from seq2seq import malloc
     malloc.keep_freed_memory()
   tmp = tempfile.TemporaryDirectory(prefix="ab_")
   try:
@@ -133,7 +133,6 @@ def main(argv=None) -> int:
   sys.path.insert(0, tmp.name)
   import jax
   jax.config.update("jax_enable_compilation_cache", False)
-  from seq2seq import malloc
 
   what = (f"{args.mode} {args.preset} {args.dtype}"
           + (f" {args.strategy}" if args.mode == "decode" else ""))
