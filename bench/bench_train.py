@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -126,7 +127,6 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
 def workload_config(preset: str, dtype: str, package: str = "seq2seq"):
   """The run's Config: the preset at the workload's vocabulary, batch and length (built by
   `package`, the seq2seq package or another version of it: bench/ab.py)."""
-  import importlib
   seq2seq = importlib.import_module(package)
   config = importlib.import_module(package + ".config")
   Config, TrainConfig = config.Config, config.TrainConfig
@@ -143,7 +143,6 @@ def workload_config(preset: str, dtype: str, package: str = "seq2seq"):
 def workload(preset: str, dtype: str, package: str = "seq2seq"):
   """(Trainer, initial state, 4 random batches as host arrays, the same as global batches)
   of the workload, built by `package` (see workload_config)."""
-  import importlib
   import jax
   import numpy as np
   w = WORKLOADS[preset]
