@@ -84,12 +84,17 @@ def _loss_and_metrics(cfg, params, batch, bos_id, rng=None, train: bool = True):
   gradient (`losses.head_cross_entropy`; equal to `cross_entropy(logits)` and `accuracy`).
   """
   y_BxTxD = _forward(cfg, params, batch, bos_id, train, rng, return_features=True)
-  w, b, w_is_VxD = head_weights(cfg.model, params)
-  tgt = batch["tgt"]
-  loss_sum, correct, n = head_cross_entropy(
-      y_BxTxD, w, b, tgt, (tgt != 0).astype(jnp.float32), cfg.train.label_smoothing,
-      cfg.model.dtype, w_is_VxD, head_chunks(*tgt.shape, cfg.model.vocab_size))
+  loss_sum, correct, n = _head_loss(cfg, params, y_BxTxD, batch["tgt"],
+                                    cfg.train.label_smoothing)
   return loss_sum, {"loss_sum": loss_sum, "tokens": n, "correct": correct}
+
+
+def _head_loss(cfg, params, y_BxTxD, tgt_BxT, label_smoothing: float):
+  """(loss_sum, correct_sum, tokens) of the decoder output `y` through the output head."""
+  w, b, w_is_VxD = head_weights(cfg.model, params)
+  return head_cross_entropy(
+      y_BxTxD, w, b, tgt_BxT, (tgt_BxT != 0).astype(jnp.float32), label_smoothing,
+      cfg.model.dtype, w_is_VxD, head_chunks(*tgt_BxT.shape, cfg.model.vocab_size))
 
 
 def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> tuple:
@@ -142,7 +147,13 @@ def _accumulate(acc: dict | None, m: dict) -> dict:
 
 
 def eval_step(params, batch: dict, *, cfg: Config, bos_id: int) -> dict:
-  return _loss_and_metrics(cfg, params, batch, bos_id, train=False)[1]
+  """The train step's loss and accuracy without dropout, and the negative log-likelihood
+  of the targets (no label smoothing: what a perplexity is of)."""
+  y_BxTxD = _forward(cfg, params, batch, bos_id, False, None, return_features=True)
+  ls = cfg.train.label_smoothing
+  loss_sum, correct, n = _head_loss(cfg, params, y_BxTxD, batch["tgt"], ls)
+  nll_sum = loss_sum if ls == 0 else _head_loss(cfg, params, y_BxTxD, batch["tgt"], 0.0)[0]
+  return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": n, "correct": correct}
 
 
 class Trainer:
@@ -186,18 +197,20 @@ class Trainer:
 # --- evaluation ---------------------------------------------------------------------------
 
 def evaluate_loss(trainer: Trainer, params, ds, split: str, max_examples: int = 0) -> dict:
-  """Teacher-forced loss, token accuracy and perplexity over a split (padded, none dropped)."""
+  """Teacher-forced metrics over a split (padded, none dropped), per target token: `loss` as
+  trained (label-smoothed: the KL divergence to the smoothed target, 0 at best), `nll` (the
+  targets' negative log-likelihood), `perplexity` = exp(nll), and token `accuracy`."""
   cfg = trainer.cfg
   bs = _eval_batch_size(cfg, trainer.data_parallel)
-  tot = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+  tot = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0.0, "correct": 0.0}
   for batch in _local_eval_batches(ds, split, bs, max_examples):
     m = trainer.eval(params, trainer.global_batch(batch))
     for k in tot:
       tot[k] += float(m[k])
   n = max(tot["tokens"], 1.0)
-  loss = tot["loss_sum"] / n
-  return {"loss": loss, "accuracy": tot["correct"] / n,
-          "perplexity": math.exp(min(loss, 50.0))}
+  nll = tot["nll_sum"] / n
+  return {"loss": tot["loss_sum"] / n, "nll": nll, "accuracy": tot["correct"] / n,
+          "perplexity": math.exp(min(nll, 50.0))}
 
 
 def _eval_batch_size(cfg: Config, data_parallel: int) -> int:
@@ -330,7 +343,8 @@ def summary(r: "TrainResult") -> str:
     if m:
       stale = m.get("step", r.step) != r.step
       at = f" (at step {m['step']}, the last evaluation)" if stale else ""
-      lines.append(f"{split}{at}: loss {m['loss']:.3f}, token accuracy {m['accuracy']:.4f}, "
+      lines.append(f"{split}{at}: loss {m['loss']:.3f}, perplexity {m['perplexity']:.3f}, "
+                   f"token accuracy {m['accuracy']:.4f}, "
                    f"BLEU {m['bleu']:.1f}, chrF {m['chrf']:.1f}, exact match "
                    f"{m['exact_match']:.4f} on {m['examples']} examples")
   lines.append(f"translate with: python decode.py --workdir {r.workdir} \"sentence\"")
@@ -493,7 +507,8 @@ def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 
   m.update(tm)
   writer.write(step, split, m)
   if _is_main():
-    lines = [f"[{split} @ {step}] loss {m['loss']:.3f}  acc {m['accuracy']:.3f}  "
+    lines = [f"[{split} @ {step}] loss {m['loss']:.3f}  ppl {m['perplexity']:.2f}  "
+             f"acc {m['accuracy']:.3f}  "
              f"BLEU {m['bleu']:.1f}  chrF {m['chrf']:.1f}  exact {m['exact_match']:.3f} "
              f"({m['examples']} examples"
              + (f", {m['truncated']} sources cut to {cfg.model.max_len} tokens)"

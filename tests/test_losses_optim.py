@@ -228,7 +228,8 @@ def test_head_chunks_keep_slices_cache_sized_and_large():
 def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
   """The train/eval step's fused loss (`model.head_weights` + `head_cross_entropy`) equals
   logits from `model.apply` followed by `cross_entropy` / `accuracy`, for the tied head, an
-  untied head with bias, and a tied head with unshared embeddings."""
+  untied head with bias, and a tied head with unshared embeddings; the evaluation's NLL
+  equals NumPy's."""
   from seq2seq import train_lib
   from seq2seq.config import Config, TrainConfig
   from seq2seq.model import Transformer
@@ -244,6 +245,14 @@ def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
   np.testing.assert_allclose(m["loss_sum"], s, rtol=1e-5)
   assert float(m["tokens"]) == float(n) == 16
   assert float(m["correct"]) == float(accuracy(logits, tgt)[0])
+  # The evaluation's NLL (what perplexity is of) has no smoothing: -Σ log p(target), NumPy.
+  z = np.asarray(logits, np.float64)
+  logp = z - z.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  t = np.asarray(tgt)
+  want_nll = -np.take_along_axis(logp, t[..., None], -1)[..., 0][t != 0].sum()
+  np.testing.assert_allclose(m["nll_sum"], want_nll, rtol=1e-5)
+  assert abs(float(m["nll_sum"]) - float(s)) > 0.01 * want_nll   # not the smoothed loss
 
 
 def test_train_step_applies_adam_when_finite_and_skips_a_nonfinite_step():

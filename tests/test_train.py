@@ -115,7 +115,8 @@ def test_run_writes_a_complete_workdir(trained):
   assert train_rows[-1]["loss"] < train_rows[0]["loss"]
   assert {"validation", "test"} <= {r["split"] for r in rows}
   test_row = [r for r in rows if r["split"] == "test"][-1]
-  assert {"bleu", "chrf", "exact_match", "loss", "accuracy"} <= set(test_row)
+  assert {"bleu", "chrf", "exact_match", "loss", "nll", "perplexity", "accuracy"} <= set(test_row)
+  assert test_row["perplexity"] == pytest.approx(np.exp(test_row["nll"]))
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   cfg, params, tok = ckpt_lib.load_workdir(workdir)
   assert cfg.model.d_model == 32 and cfg.model.vocab_size == tok.vocab_size
@@ -525,7 +526,8 @@ def test_logged_tokens_per_sec_leaves_out_evaluation_time(corpus, tmp_path):
 
 def test_summary_names_the_step_of_stale_metrics():
   from seq2seq import train_lib
-  m = dict(loss=1.0, accuracy=0.5, bleu=10.0, chrf=30.0, exact_match=0.25, examples=8)
+  m = dict(loss=1.0, perplexity=3.5, accuracy=0.5, bleu=10.0, chrf=30.0, exact_match=0.25,
+           examples=8)
   r = train_lib.TrainResult(step=120, workdir="w", train_metrics={},
                             eval_metrics=dict(m, step=100), test_metrics={}, seconds=1.0,
                             stopped_early=True)
