@@ -157,6 +157,81 @@ def test_decoder_is_causal(pre_ln):
     assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
 
 
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_encoder_sees_the_whole_source(pre_ln):
+  """The encoder is not causal: the last source token changes the first position's output."""
+  cfg = CFG.replace(pre_ln=pre_ln)
+  src, tgt = _batch()
+  params = _init(cfg, src, tgt)
+  encode = jax.jit(lambda p, s: Transformer(cfg).apply(p, s, method=Transformer.encode))
+  changed = src.at[0, -1].set((src[0, -1] - 4 + 5) % 33 + 4)
+  a, b = np.asarray(encode(params, src)), np.asarray(encode(params, changed))
+  assert np.abs(a[0, 0] - b[0, 0]).max() > 1e-3
+  np.testing.assert_array_equal(a[1:], b[1:])   # other rows are their own examples
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_each_stack_ends_layer_normalised(pre_ln):
+  """Post-LN ends each stack with its last Add & Norm; pre-LN, whose residual stream is never
+  normalised, needs a final LayerNorm on the encoder and on the decoder. At initialisation
+  (LayerNorm scale 1, bias 0) both stacks' outputs have mean 0 and variance 1 per position."""
+  cfg = CFG.replace(pre_ln=pre_ln)
+  src, tgt = _batch()
+  params = _init(cfg, src, tgt)
+  model = Transformer(cfg)
+  enc = np.asarray(model.apply(params, src, method=Transformer.encode))
+  dec = np.asarray(model.apply(params, src, tgt, return_features=True))
+  for y in (enc[src != 0], dec.reshape(-1, cfg.d_model)):
+    np.testing.assert_allclose(y.mean(-1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(y.var(-1), 1.0, atol=1e-3)
+  assert ("final_norm" in params["params"]["encoder"]) == pre_ln
+  assert ("final_norm" in params["params"]["decoder"]) == pre_ln
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_residual_dropout_is_on_the_sublayer_output(pre_ln):
+  """Add & Norm drops the sublayer's output, not the residual: training with dropout, a
+  sublayer that outputs zeros gives LayerNorm(x) (post-LN) or x (pre-LN) exactly, and one
+  that outputs c gives LayerNorm(x + d) or x + d, with each element of d = c/(1-p) or 0."""
+  cfg = CFG.replace(pre_ln=pre_ln, dropout_rate=0.5)
+  x = np.random.default_rng(0).normal(size=(2, 5, cfg.d_model)).astype(np.float32)
+  mod = layers.AddNorm(cfg)
+  p = mod.init(jax.random.key(0), x, lambda h: h)
+  ln = lambda h: (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-6)
+  add_norm = ((lambda x, d: x + d) if pre_ln else (lambda x, d: ln(x + d)))
+
+  def run(f):
+    y, seen = mod.apply(p, x, f, True, rngs={"dropout": jax.random.key(3)},
+                        capture_intermediates=True, mutable=["intermediates"])
+    return np.asarray(y), np.asarray(seen["intermediates"]["dropout"]["__call__"][0])
+
+  np.testing.assert_allclose(run(jnp.zeros_like)[0], add_norm(x, 0.0), rtol=1e-5, atol=1e-5)
+  y, d = run(lambda h: jnp.full_like(h, 0.7))
+  np.testing.assert_allclose(d[d != 0], 1.4, rtol=1e-6)
+  assert 0.35 < float((d == 0).mean()) < 0.65
+  np.testing.assert_allclose(y, add_norm(x, d), rtol=1e-4, atol=1e-4)
+
+
+def test_embedding_sums_are_dropped_out_in_training():
+  """The paper's dropout on the sums of embeddings and positional encodings, in the encoder
+  and the decoder: each element of (embedding·√d + PE) is zeroed or scaled by 1/(1-p)."""
+  cfg = CFG.replace(dropout_rate=0.5)
+  src, tgt = _batch()
+  params = _init(cfg, src, tgt)
+  table = np.asarray(params["params"]["embed"]["embedding"])
+  _, seen = Transformer(cfg).apply(params, src, tgt, train=True,
+                                   rngs={"dropout": jax.random.key(4)},
+                                   capture_intermediates=True, mutable=["intermediates"])
+  pe = layers.sinusoidal_positions(cfg.max_len, cfg.d_model)
+  for stack, ids in (("encoder", src), ("decoder", tgt)):
+    want = table[np.asarray(ids)] * np.sqrt(cfg.d_model) + pe[:ids.shape[1]]
+    got = np.asarray(seen["intermediates"][stack]["dropout"]["__call__"][0])
+    zero = got == 0
+    np.testing.assert_allclose(np.where(zero, 0, got), np.where(zero, 0, 2 * want),
+                               rtol=1e-5, atol=1e-5)
+    assert 0.4 < zero.mean() < 0.6, stack
+
+
 def test_source_padding_is_ignored():
   src, tgt = _batch()
   params = _init(CFG, src, tgt)
@@ -286,6 +361,17 @@ def test_parameter_counts_match_the_paper():
   assert 60e6 <= n("base") <= 66e6
   assert 205e6 <= n("big") <= 215e6
   assert n("tiny") < n("small") < n("base")
+
+  def by_hand(name):   # every weight and bias the paper's layers have, counted one by one
+    c = seq2seq.get_config(name, vocab_size=37000)
+    d, f = c.d_model, c.d_ff
+    attn = 4 * d * d + 3 * d          # Q, K, V, O kernels; Q, V, O biases (no key bias)
+    ffn, norm = d * f + f + f * d + d, 2 * d
+    enc = attn + ffn + 2 * norm
+    dec = 2 * attn + ffn + 3 * norm
+    return 37000 * d + c.num_encoder_layers * enc + c.num_decoder_layers * dec
+  for name in ("tiny", "small", "base", "big"):
+    assert n(name) == by_hand(name), name
 
 
 @pytest.mark.parametrize("bad, msg", [
