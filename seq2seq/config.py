@@ -272,10 +272,12 @@ def get_experiment(name: str = "numbers") -> Config:
   if name in ("tiny", "small"):
     return Config(model=model, train=TrainConfig(steps=20000, batch_size=128, seq_len=128,
                                                  warmup_steps=4000))
-  # base/big: the paper's 25k source + 25k target tokens per batch, 100k (base) or
+  # base/big: about the paper's 25k source + 25k target tokens per batch (128 packed rows
+  # of 256 slots, which first-fit packing fills to ~92%: ~30k tokens a side; 104 rows
+  # would be 25k, but 128 divides across any power-of-two device count), 100k (base) or
   # 300k (big) steps, warmup 4000.
   return Config(model=model, data=DataConfig(vocab_size=32000, max_src_len=256, max_tgt_len=256),
-                train=TrainConfig(steps=100000 if name == "base" else 300000, batch_size=256,
+                train=TrainConfig(steps=100000 if name == "base" else 300000, batch_size=128,
                                   seq_len=256, warmup_steps=4000))
 
 
