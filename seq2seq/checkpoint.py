@@ -39,22 +39,29 @@ def _first_line(e: Exception) -> str:
 
 
 def _is_read_debris(e: BaseException | str | None) -> bool:
-  """What Orbax's other reads raise in background threads after one read failed: Orbax's
-  wrapped error, TensorStore's own (`OUT_OF_RANGE: Error reading "..." in OCDBT database`,
-  also as the repr in asyncio's "Future exception was never retrieved"), or a closed loop."""
+  """What Orbax's other reads or writes raise in background threads after one failed:
+  Orbax's wrapped error, TensorStore's own (`OUT_OF_RANGE: Error reading "..." in OCDBT
+  database`, also as the repr in asyncio's "Future exception was never retrieved"), or a
+  closed loop."""
   text = str(e)
   return ((isinstance(e, RuntimeError) and text == "Event loop is closed")
           or "Encountered error while reading array index" in text
-          or re.search(r"\b[A-Z_]{4,}: Error reading .* in OCDBT database", text) is not None)
+          or re.search(r"\b[A-Z_]{4,}: Error (reading|writing|opening) ", text) is not None)
 
+
+# Orbax's reports, from its background threads, of a failed save: the same error reaches
+# the main thread (`Checkpoints.save`/`wait`), which says it in one line.
+_SAVE_FAILURE_LOG = re.compile(r"_SignalingThread\.run\(\) raised an exception|in background "
+                               r"save thread|Save Finalize thread .* failed")
 
 _QUIETED = False
 
 
 def _quiet_failed_reads() -> None:
-  """When one read of a restore fails, Orbax's other reads go on failing in background
-  threads and each prints a traceback (thousands of lines for one corrupt file), some while
-  the first error is still on its way up. Silence exactly those, from the first restore on."""
+  """When one read of a restore (or write of a save) fails, Orbax's others go on failing in
+  background threads and each prints a traceback (thousands of lines for one corrupt file),
+  some while the first error is still on its way up. Silence exactly those, from the first
+  restore or save on."""
   global _QUIETED
   if _QUIETED:
     return
@@ -69,8 +76,23 @@ def _quiet_failed_reads() -> None:
   class _Filter(logging.Filter):
     def filter(self, record):
       exc = record.exc_info[1] if record.exc_info else None
-      return not (_is_read_debris(exc) or _is_read_debris(record.getMessage()))
+      msg = record.getMessage()
+      return not (_is_read_debris(exc) or _is_read_debris(msg)
+                  or _SAVE_FAILURE_LOG.search(msg))
   logging.getLogger("asyncio").addFilter(_Filter())
+  logging.getLogger("absl").addFilter(_Filter())
+
+
+class CheckpointWriteError(UserError):
+  """A checkpoint could not be written (the disk is full, the directory not writable).
+  The checkpoints saved before it are intact."""
+
+
+def _is_structure_mismatch(e: BaseException) -> bool:
+  """Orbax's error for a checkpoint whose tree differs from the one asked for: raised from
+  its metadata, before any array is read, so the checkpoint itself is sound."""
+  return isinstance(e, ValueError) and ("tree structures do not match" in str(e)
+                                        or str(e).startswith("Structure mismatch: "))
 
 
 def config_path(workdir) -> Path:
@@ -111,55 +133,108 @@ class Checkpoints:
         enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "meta"))
+    if not read_only:
+      self._move_aside_unfinished()
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
   def save(self, step: int, state, meta: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    """Starts writing `step` (async); a failure of it, or of the save before it, raises
+    CheckpointWriteError here or in `wait`."""
+    _quiet_failed_reads()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:   # e.g. the previous async save failed: the disk is full
+      raise self._write_error(e) from None
+    self._saving = step
 
-  def restore(self, abstract_state, step: int | None = None):
-    """(state, meta) of `step`, or of the newest readable checkpoint; None if there is none."""
+  def _write_error(self, e: Exception) -> "CheckpointWriteError":
+    # The failed save's other writes are dropped unfinished: Python would warn of each.
+    warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+    code = re.search(r"os_error_code='(\d+)'", str(e))
+    why = (os.strerror(int(code.group(1))) if code else
+           e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e))
+    step = getattr(self, "_saving", None)
+    return CheckpointWriteError(
+        f"cannot write checkpoint {self.directory / str(step) if step is not None else self.directory}"
+        f": {why} (the checkpoints saved before it are intact)")
+
+  def restore(self, abstract_state, step: int | None = None, params_only: bool = False):
+    """(state, meta) of `step`, or of the newest readable checkpoint; None if there is none.
+
+    With `params_only`, `abstract_state` is the parameters' tree and only they are read (as
+    decoding needs: whatever optimizer state the checkpoint holds). A checkpoint that cannot
+    be read is skipped, with a warning, for the one before it; one that reads but holds a
+    tree of another structure than asked for (another optimizer) is an error instead."""
     candidates = [step] if step is not None else self.steps()[::-1]
     if step is not None and step not in self.steps():
       raise UserError(f"{self.directory}: no checkpoint at step {step} "
                       f"(have: {', '.join(map(str, self.steps())) or 'none'})")
+    if params_only:
+      to_read = ocp.args.PyTreeRestore(
+          item={"params": abstract_state}, partial_restore=True,
+          restore_args=jax.tree_util.tree_map(
+              lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
+              {"params": abstract_state}))
+    else:
+      to_read = ocp.args.StandardRestore(abstract_state)
     _quiet_failed_reads()
     for s in candidates:
       try:
         restored = self.manager.restore(s, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        return restored["state"], restored["meta"]
+            state=to_read, meta=ocp.args.JsonRestore()))
+        state = restored["state"]
+        return (state["params"] if params_only else state), restored["meta"]
       except Exception as e:  # a partial or corrupt checkpoint: fall back to the previous one
         msg = _first_line(e)
+        if _is_structure_mismatch(e):
+          raise UserError(f"checkpoint {self.directory / str(s)} holds a training state of "
+                          f"another structure than this run's (is the optimizer configured "
+                          f"as when it was saved, e.g. train.clip_grad_norm and "
+                          f"train.weight_decay on or off?)") from None
         if step is not None:
           raise UserError(f"checkpoint {self.directory / str(s)} is unreadable: {msg}") from None
-        where = self._move_aside(s)
+        where = self._move_aside(self.directory / str(s))
         warnings.warn(f"skipping unreadable checkpoint {self.directory / str(s)}"
                       + (f" (moved to {where})" if where else "") + f": {msg}")
     return None
 
-  def _move_aside(self, step: int) -> Path | None:
+  def _move_aside(self, path: Path) -> Path | None:
     """A writable run moves an unreadable step out of the manager's sight, so that the run
     can save that step again; nothing is deleted. Read-only readers leave it in place."""
     if self.read_only or jax.process_index() != 0:
       return None
-    dest = self.directory.parent / UNREADABLE_DIR / str(step)
+    dest = self.directory.parent / UNREADABLE_DIR / path.name
     n = 1
     while dest.exists():
-      dest, n = self.directory.parent / UNREADABLE_DIR / f"{step}.{n}", n + 1
+      dest, n = self.directory.parent / UNREADABLE_DIR / f"{path.name}.{n}", n + 1
     dest.parent.mkdir(exist_ok=True)
-    os.replace(self.directory / str(step), dest)
+    os.replace(path, dest)
     self.manager.reload()
     return dest
 
+  def _move_aside_unfinished(self) -> None:
+    """A save cut short (killed while Orbax wrote it, a full disk) leaves a temporary
+    directory that no run reads: moved aside with a warning, like an unreadable step."""
+    if jax.process_index() != 0 or not self.directory.is_dir():
+      return
+    for path in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+      where = self._move_aside(path)
+      warnings.warn(f"moved the unfinished checkpoint {path} to {where}")
+
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._write_error(e) from None
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
 
 
 def abstract_state(cfg: Config):
@@ -234,10 +309,10 @@ def load_workdir(workdir, step: int | None = None):
   ckpts = Checkpoints(workdir, read_only=True)
   if not ckpts.steps():
     raise UserError(f"{workdir} holds no checkpoint")
-  target = local_abstract_state(cfg)
-  _check_param_shapes(workdir, ckpts, step, target.params)
+  target = local_abstract_state(cfg).params
+  _check_param_shapes(workdir, ckpts, step, target)
   try:
-    restored = ckpts.restore(target, step)
+    restored = ckpts.restore(target, step, params_only=True)
   except (ValueError, TypeError) as e:
     if isinstance(e, UserError):
       raise
@@ -245,8 +320,8 @@ def load_workdir(workdir, step: int | None = None):
                     f"({str(e).splitlines()[0][:160]})") from None
   if restored is None:
     raise UserError(f"{workdir}: no readable checkpoint (all were skipped)")
-  state, _ = restored
-  return cfg, state.params, Tokenizer.load(str(vocab_path(workdir)))
+  params, _ = restored
+  return cfg, params, Tokenizer.load(str(vocab_path(workdir)))
 
 
 def average_checkpoints(workdir, last: int = 5):
@@ -258,11 +333,11 @@ def average_checkpoints(workdir, last: int = 5):
   steps = ckpts.steps()[-last:]
   if not steps:
     raise UserError(f"{workdir} holds no checkpoint")
-  target = local_abstract_state(cfg)
+  target = local_abstract_state(cfg).params
   total = None
   for s in steps:
-    state, _ = ckpts.restore(target, s)
-    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), state.params)
+    params, _ = ckpts.restore(target, s, params_only=True)
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
     total = p if total is None else jax.tree_util.tree_map(np.add, total, p)
   return steps, jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)
 
@@ -295,10 +370,10 @@ def write_averaged_workdir(workdir, output, last: int = 5) -> list[int]:
 
 def main(argv=None) -> int:
   """python -m seq2seq.checkpoint average --workdir W --output W_avg [--last 5]"""
-  import argparse
   import sys
-  p = argparse.ArgumentParser(prog="python -m seq2seq.checkpoint",
-                              description="Average the last checkpoints of a workdir.")
+  from seq2seq.errors import ArgumentParser
+  p = ArgumentParser(prog="python -m seq2seq.checkpoint",
+                     description="Average the last checkpoints of a workdir.")
   p.add_argument("command", choices=["average"])
   p.add_argument("--workdir", required=True)
   p.add_argument("--output", required=True, help="new workdir for the averaged model")

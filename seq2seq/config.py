@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 
@@ -100,6 +101,14 @@ class DataConfig:
            f"character_coverage must be in (0, 1], got {self.character_coverage}")
     _check(self.num_shards >= 0, f"num_shards must be >= 0, got {self.num_shards}")
 
+  def with_absolute_paths(self) -> "DataConfig":
+    """The data files and data_dir as absolute paths (as of the current directory), so that
+    a run stored with them resumes from any directory."""
+    import os
+    return self.replace(**{k: os.path.abspath(os.path.expanduser(v)) for k in
+                           ("data_dir", "train_files", "validation_files", "test_files")
+                           if (v := getattr(self, k))})
+
   def replace(self, **kw) -> "DataConfig":
     return dataclasses.replace(self, **kw)
 
@@ -151,6 +160,14 @@ class TrainConfig:
       _check(getattr(self, name) >= 0, f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
     _check(isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0,
            f"cooldown_steps must be an integer >= 0, got {self.cooldown_steps!r}")
+    _check(isinstance(self.seed, int) and 0 <= self.seed < 2 ** 32,
+           f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+    _check(self.steps < 2 ** 31, f"steps must be < 2**31, got {self.steps}")
+    _check(isinstance(self.num_eval_examples, int) and self.num_eval_examples >= 0,
+           f"num_eval_examples must be an integer >= 0 (0 = all), got "
+           f"{self.num_eval_examples!r}")
+    _check(math.isfinite(self.length_penalty) and self.length_penalty >= 0,
+           f"length_penalty must be >= 0, got {self.length_penalty}")
     _check(self.decode_strategy in ("greedy", "beam"),
            f"decode_strategy must be 'greedy' or 'beam', got {self.decode_strategy!r}")
     _check(self.batch_size % self.grad_accum_steps == 0,

@@ -307,7 +307,8 @@ def resolve_config(workdir, name: str | None = None, overrides: list[str] = ()) 
       raise UserError(f"unknown config {name!r}; choose one of "
                       f"{', '.join(config_lib.EXPERIMENTS)}")
     base = config_lib.get_experiment(name)
-  return config_lib.override(base, list(overrides))
+  cfg = config_lib.override(base, list(overrides))
+  return cfg.replace(data=cfg.data.with_absolute_paths())
 
 
 def prepare_workdir(cfg: Config, workdir) -> Config:
@@ -316,25 +317,49 @@ def prepare_workdir(cfg: Config, workdir) -> Config:
   workdir = ckpt_lib.workdir_path(workdir, must_exist=False)
   try:
     workdir.mkdir(parents=True, exist_ok=True)
-    # A probe of its own: processes of a multi-host run check the same workdir at once.
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_probe"):
-      pass
   except OSError as e:
     raise UserError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+  # The workdir, and what a run there writes into: each probed by writing, not by its mode
+  # bits (root, read-only mounts, immutable files).
+  for path, is_dir in ((workdir, True), (workdir / ckpt_lib.CKPT_DIR, True),
+                       (workdir / "metrics.jsonl", False)):
+    try:
+      if is_dir and path.exists():   # a probe of its own: processes probe it at once
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe"):
+          pass
+      elif path.exists():
+        open(path, "a").close()
+    except OSError as e:
+      raise UserError(f"{'workdir ' if path == workdir else ''}{path} is not writable: "
+                      f"{e.strerror or e}") from None
   old = ckpt_lib.read_config(workdir)
   if old is None:
     return cfg
+  if _optimizer_structure(old) != _optimizer_structure(cfg):
+    changed = [f"train.{k}: {getattr(old.train, k)} -> {getattr(cfg.train, k)}"
+               for k in ("clip_grad_norm", "weight_decay")
+               if (getattr(old.train, k) > 0) != (getattr(cfg.train, k) > 0)]
+    raise UserError(f"workdir {workdir} holds a run whose optimizer state has another form "
+                    f"({'; '.join(changed)}): turning clipping or weight decay on or off "
+                    f"needs a new --workdir")
   for section in ("model", "data"):
     a, b = getattr(old, section), getattr(cfg, section)
     if section == "model":  # the vocabulary size is derived from the data
       b = b.replace(vocab_size=a.vocab_size)
+    else:                   # a run stored before paths were made absolute
+      a = a.with_absolute_paths()
     if a != b:
       diff = [f"{f.name}: {getattr(a, f.name)!r} -> {getattr(b, f.name)!r}"
               for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
       raise UserError(f"workdir {workdir} holds a run with a different {section} config "
                       f"({'; '.join(diff[:3])}); resume without changing it or use a new "
                       f"--workdir")
-  return old.replace(train=cfg.train)
+  return old.replace(data=old.data.with_absolute_paths(), train=cfg.train)
+
+
+def _optimizer_structure(cfg: Config):
+  """The tree structure of the optimizer's state (what a checkpoint must match)."""
+  return jax.tree_util.tree_structure(optimizer(cfg).init({"w": np.zeros(1, np.float32)}))
 
 
 def summary(r: "TrainResult") -> str:
@@ -368,12 +393,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
         break
     raise
   cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
-  if _is_main():
+  resuming = ckpt_lib.read_config(workdir) is not None
+  if _is_main() and not resuming:   # a new run's config goes with the vocabulary just made
     ckpt_lib.write_config(workdir, cfg)
   trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
   tc = cfg.train
   ckpts = ckpt_lib.Checkpoints(workdir, keep=tc.keep_checkpoints)
-  writer = metrics_lib.MetricsWriter(workdir, enabled=_is_main())
 
   restored = ckpts.restore(trainer.abstract_state)
   if restored is None:
@@ -383,6 +408,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
     state, meta = restored
     start = int(meta["step"])
     _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
+  if _is_main() and resuming:       # a resumed run's new train settings, once they work
+    ckpt_lib.write_config(workdir, cfg)
+  writer = metrics_lib.MetricsWriter(workdir, enabled=_is_main())
 
   # SIGTERM (preemption) and a first Ctrl-C stop the run after the current step with a
   # checkpoint; a second Ctrl-C interrupts at once.
@@ -471,6 +499,10 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
         eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar)
         t_log += time.time() - t_eval   # tokens/s counts the training time only
     ckpts.wait()
+    for signum, handler in old_handlers.items():  # trained and saved: Ctrl-C now stops the
+      signal.signal(signum, handler)              # final evaluation at once
+    old_handlers = {}
+    stopped_early = stopped_early or stop["signal"] is not None   # (one came just now)
     if not stopped_early:
       eval_metrics = _run_eval(trainer, cfg, state, ds, "validation", writer, step, bar,
                                final=True)
@@ -479,10 +511,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   finally:
     if bar is not None:
       bar.close()
-    ckpts.close()
-    writer.close()
-    for signum, handler in old_handlers.items():
-      signal.signal(signum, handler)
+    try:
+      ckpts.close()
+    finally:
+      writer.close()
+      for signum, handler in old_handlers.items():
+        signal.signal(signum, handler)
   if stop["signal"] == signal.SIGINT:
     raise KeyboardInterrupt  # after the checkpoint: the caller reports the interruption
   return TrainResult(step=step, workdir=str(workdir), train_metrics=train_metrics,

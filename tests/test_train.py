@@ -251,6 +251,13 @@ def test_average_reports_bad_output_and_broken_checkpoints_in_one_line(trained, 
   a_file.write_text("x")
   assert ckpt_lib.main(["average", "--workdir", str(trained[0]), "--output", str(a_file)]) == 2
   assert capfd.readouterr().err == f"error: cannot write {a_file}: File exists\n"
+  for argv, says in ((["average", "--workdir", "w"], "required: --output"),
+                     (["averag", "--workdir", "w", "--output", "o"], "invalid choice")):
+    with pytest.raises(SystemExit) as e:
+      ckpt_lib.main(argv)
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and says in err, err
+    assert len(err.splitlines()) == 1, err
   # A model with enough arrays that Orbax's other reads are still in flight when one fails.
   workdir = tmp_path / "w"
   workdir.mkdir()
@@ -319,6 +326,10 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, 
     (["--config.train.adam_b2=2"], "adam_b2 must be in [0, 1), got 2.0"),
     (["--config.train.clip_grad_norm=-1"], "clip_grad_norm must be >= 0 (0 = off), got -1.0"),
     (["--config.data.vocab_size=100"], "vocab_size 100 is too small"),
+    (["--config.train.seed=99999999999999999999999"], "seed must be an integer in [0, 2**32)"),
+    (["--steps", "3000000000"], "steps must be < 2**31, got 3000000000"),
+    (["--config.train.length_penalty=-1"], "length_penalty must be >= 0, got -1.0"),
+    (["--config.train.num_eval_examples=-5"], "num_eval_examples must be an integer >= 0"),
     (["--config.data.max_tgt_len=65"], "data.max_tgt_len (65) must be <= model.max_len (64)"),
     (["--config", "base", "--config.model.max_len=128"], "data.max_src_len (256) must be <="),
     (["--dataset", "parallel_text", "--train_files", "/nonexistent/train.tsv"], "/nonexistent"),
@@ -385,6 +396,150 @@ def test_different_model_config_on_existing_workdir_is_refused_untouched(corpus,
   err = capsys.readouterr().err.strip()
   assert "different model config" in err and "d_model: 32 -> 64" in err
   assert tree_hash(workdir) == before
+
+
+def test_resume_cannot_turn_clipping_on_and_changes_nothing(corpus, trained, capsys):
+  """The optimizer's state has another form with clipping or weight decay on: a checkpoint
+  saved without them cannot be resumed with them (it used to be taken for a corrupt one,
+  moved aside with every other checkpoint, and the run started again from step 0)."""
+  workdir, data_dir = trained
+  before = tree_hash(workdir)
+  args = tiny_args(corpus, workdir, data_dir, steps=40,
+                   extra=["--config.train.clip_grad_norm=1.0"])
+  assert train_script.main(args) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and "\n" not in err, err
+  assert "clip_grad_norm: 0.0 -> 1.0" in err and "new --workdir" in err, err
+  assert tree_hash(workdir) == before
+
+
+def test_a_checkpoint_of_another_optimizer_is_an_error_not_debris(trained, tmp_path):
+  """Past the config check (say, a checkpoint of another version of seq2seq): a checkpoint
+  whose tree differs is refused in one line and stays where it is."""
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(trained[0], workdir)
+  cfg = ckpt_lib.read_config(workdir)
+  other = cfg.replace(train=cfg.train.replace(weight_decay=0.1))
+  with pytest.raises(ckpt_lib.UserError, match="another structure than this run's"):
+    ckpt_lib.Checkpoints(workdir).restore(ckpt_lib.abstract_state(other))
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
+  assert not (workdir / ckpt_lib.UNREADABLE_DIR).exists()
+
+
+def test_a_failed_resume_leaves_config_json_and_decoding_as_they_were(corpus, trained,
+                                                                      tmp_path, capsys):
+  """A resume that fails before training (here: a mesh this machine cannot make) does not
+  write its new train settings into config.json. Decoding reads the parameters alone, so it
+  does not depend on the optimizer settings in config.json either."""
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(trained[0], workdir)
+  before = (workdir / "config.json").read_bytes()
+  args = tiny_args(corpus, workdir, trained[1], steps=40,
+                   extra=["--config.train.mesh_shape=data=3"])
+  assert train_script.main(args) == 2
+  assert "mesh_shape 'data=3'" in capsys.readouterr().err
+  assert (workdir / "config.json").read_bytes() == before
+  cfg = json.loads(before)
+  cfg["train"]["weight_decay"] = 0.1         # another optimizer state than the checkpoints'
+  (workdir / "config.json").write_text(json.dumps(cfg))
+  for x, y in zip(jax.tree_util.tree_leaves(params_of(workdir)),
+                  jax.tree_util.tree_leaves(params_of(trained[0]))):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_a_full_disk_is_one_line_and_the_next_run_resumes(corpus, trained, tmp_path):
+  """A checkpoint that cannot be written (the file size limit stands in for a full disk)
+  ends the run with one line and exit 2; the checkpoints before it are intact, and the next
+  run moves the unfinished one aside with a warning and resumes from the last good one."""
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(trained[0], workdir)
+  args = tiny_args(corpus, workdir, trained[1], steps=40)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run(["bash", "-c", 'ulimit -f 8 && exec "$0" "$@"', sys.executable,
+                      str(ROOT / "train.py"), *args], env=env, text=True,
+                     capture_output=True, timeout=240, cwd=str(ROOT))
+  assert p.returncode == 2, p.stderr[-3000:]
+  assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr[-3000:]
+  assert p.stderr.strip().splitlines()[-1] == (
+      f"error: cannot write checkpoint {workdir.absolute() / 'checkpoints' / '40'}: File too "
+      f"large (the checkpoints saved before it are intact)"), p.stderr[-2000:]
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
+  assert list((workdir / "checkpoints").glob("40.orbax-checkpoint-tmp*"))
+  p = run_train(args)
+  assert "warning: moved the unfinished checkpoint" in p.stderr and "(step 30)" in p.stderr
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [20, 30, 40]
+  assert list((workdir / "checkpoints_unreadable").glob("40.orbax-checkpoint-tmp*"))
+
+
+@pytest.mark.parametrize("what", ["checkpoints", "metrics.jsonl"])
+def test_unwritable_run_files_are_refused_before_training(trained, tmp_path, capsys, what):
+  """The workdir's checkpoints/ and metrics.jsonl are probed before anything runs (a
+  checkpoints/ that cannot be written into used to hang the run at exit)."""
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(trained[0], workdir)
+  if what == "checkpoints":
+    shutil.rmtree(workdir / what)
+    (workdir / what).write_text("")          # not a directory: nothing can be written in it
+  else:
+    os.chmod(workdir / what, 0o444)
+    if os.access(workdir / what, os.W_OK):
+      pytest.skip("this user writes read-only files (root)")
+  before = tree_hash(workdir)
+  assert train_script.main(["--workdir", str(workdir), "--no_progress", "--steps", "40"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"error: {workdir / what} is not writable: ") and "\n" not in err, err
+  assert tree_hash(workdir) == before
+
+
+def test_ctrl_c_in_the_final_evaluation_stops_at_once(corpus, trained, tmp_path):
+  """Once trained and saved, Ctrl-C interrupts the final evaluation where it is (it used to
+  be held until both evaluations had run, then their results were dropped)."""
+  import shutil
+  workdir = tmp_path / "copy"
+  shutil.copytree(trained[0], workdir)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                           *tiny_args(corpus, workdir, trained[1])], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    seen = []
+    for line in proc.stderr:
+      seen.append(line)
+      if "nothing to train, evaluating only" in line:
+        proc.send_signal(signal.SIGINT)
+        break
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  err = "".join(seen) + err
+  assert proc.returncode == 130, err[-2000:]
+  assert "[validation @" not in err and "[test @" not in err, err[-2000:]
+  assert err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+
+
+def test_data_paths_are_stored_absolute_so_a_run_resumes_from_anywhere(corpus, trained,
+                                                                       tmp_path, monkeypatch):
+  from seq2seq import train_lib
+  monkeypatch.chdir(corpus)
+  cfg = train_lib.resolve_config(str(tmp_path / "w"), "tiny",
+                                 ["data.dataset=parallel_text", "data.train_files=train.tsv",
+                                  "data.data_dir=~/tfds"])
+  assert cfg.data.train_files == str(corpus / "train.tsv")
+  assert cfg.data.data_dir == os.path.expanduser("~/tfds")
+  # a workdir stored with a relative path (before this change) resumes from where it was
+  old = cfg.replace(data=cfg.data.replace(train_files="train.tsv"))
+  (tmp_path / "w").mkdir()
+  ckpt_lib.write_config(tmp_path / "w", old)
+  again = train_lib.prepare_workdir(cfg, tmp_path / "w")
+  assert again.data.train_files == str(corpus / "train.tsv")
 
 
 def test_config_overrides():
