@@ -151,6 +151,8 @@ def main(argv=None) -> int:
   try:
     if args.chunk_size < 1:
       raise UserError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    if not 0 <= args.seed < 2 ** 32:
+      raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
     strategy = decoding.strategy_from_flags(
         beam_size=args.beam_size, alpha=args.alpha, n_best=args.n_best,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -202,6 +204,13 @@ def main(argv=None) -> int:
   except BrokenPipeError:  # e.g. `decode.py ... | head`: the reader has all it wanted
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
+  except OSError as e:     # standard output cannot be written (a full disk, ...)
+    if e.filename is not None:
+      raise                # not the output: a bug, with its traceback
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(f"error: cannot write the translations: {e.strerror or e} ({done} line(s) "
+          f"written before)", file=sys.stderr)
+    return 2
 
   if truncated:
     shown = ", ".join(str(i + 1) for i in truncated[:5])

@@ -226,6 +226,20 @@ def test_the_real_script_reads_standard_input(workdir):
   assert b"tokens/s" in p.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_that_cannot_be_written_is_one_line(workdir):
+  """Standard output on a full disk: one line and exit 2, not a traceback."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  with open("/dev/full", "w") as full:
+    p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(workdir),
+                        "--beam-size", "1", "seven"], stdout=full, stderr=subprocess.PIPE,
+                       text=True, env=env, cwd=str(ROOT), timeout=120)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert p.stderr.strip() == ("error: cannot write the translations: No space left on device "
+                              "(0 line(s) written before)"), p.stderr[-2000:]
+
+
 def test_chunks_write_the_same_lines_as_one_chunk(workdir, model, tmp_path, capsys):
   _, _, tok = model
   long = " ".join(["seventy-seven"] * 60)
@@ -380,6 +394,7 @@ def test_config_that_does_not_match_the_checkpoint(workdir, tmp_path, capsys):
     (["--input", "/nonexistent/in.txt"], "cannot read /nonexistent/in.txt"),
     (["--max-len", "1000", "one"], f"max_len must be in [1, {MAX_LEN}]"),
     (["--batch-size", "0", "one"], "batch_size must be >= 1"),
+    (["--seed", "99999999999999999999999", "one"], "--seed must be in [0, 2**32)"),
 ])
 def test_bad_values_with_a_good_workdir(workdir, argv, message, capsys):
   assert_user_error(*run(capsys, "--workdir", workdir, *argv), message)
