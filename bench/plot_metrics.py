@@ -4,15 +4,15 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from seq2seq.errors import ArgumentParser
 from seq2seq.metrics import read_metrics
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--out", required=True)
   ap.add_argument("--title", default="")
@@ -30,7 +30,13 @@ def main(argv=None):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
-  a0.plot(*curve("train", "loss"), lw=1, label="train (dropout on)")
+  from seq2seq.checkpoint import read_config
+  try:
+    cfg = read_config(args.workdir)
+  except ValueError:   # an unreadable config.json: the curves do not need it
+    cfg = None
+  dropout = cfg is not None and cfg.model.dropout_rate > 0
+  a0.plot(*curve("train", "loss"), lw=1, label="train (dropout on)" if dropout else "train")
   a0.plot(*curve("validation", "loss"), "o-", label="validation")
   a0.set_xlabel("step"); a0.set_ylabel("label-smoothed cross-entropy"); a0.legend()
   a0.set_title(args.title or os.path.basename(os.path.normpath(args.workdir)))

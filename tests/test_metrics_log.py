@@ -71,8 +71,11 @@ def test_plot_metrics_bad_input_is_one_line(tmp_path):
   for args, says in [(("--workdir", str(tmp_path / "nowhere")), "no metrics.jsonl"),
                      (("--workdir", str(tmp_path / "empty")), "holds no metrics"),
                      (("--workdir", str(tmp_path), "--out", str(tmp_path / "x.notanimage")),
-                      "cannot write")]:
-    if "--out" not in args:
+                      "cannot write"),
+                     (("--workdir", str(tmp_path), "--out"), "expected one argument"),
+                     (("--workdir", str(tmp_path), "--out", str(tmp_path / "x.png"),
+                       "--colour", "red"), "unrecognized arguments: --colour red")]:
+    if "--out" not in " ".join(args):
       args = (*args, "--out", str(tmp_path / "x.png"))
     p = _plot(*args)
     assert p.returncode != 0 and says in p.stderr, p.stderr
