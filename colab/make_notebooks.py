@@ -2,6 +2,10 @@
 
     python colab/make_notebooks.py          # rewrite colab/*.ipynb
     python colab/make_notebooks.py --check  # exit 1 if a notebook differs from this file
+    python colab/make_notebooks.py --repo https://github.com/you/seq2seq  # for a fork
+
+The repository URL (the install cell's REPO_URL and the "Open in Colab" badges) has one
+source of truth: `[project.urls] Repository` in pyproject.toml, still a placeholder.
 
 The notebooks are generated so that they can be reviewed (and diffed) as Python. Edit the
 cells here, run the script, and commit both. tests/test_notebooks.py checks that the
@@ -17,6 +21,7 @@ Environment variables (set by the test; a user needs none of them):
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -24,9 +29,33 @@ from pathlib import Path
 import nbformat
 
 HERE = Path(__file__).resolve().parent
-REPO_URL = "https://github.com/your-org/seq2seq"  # placeholder: the project's repository
-COLAB_URL = (REPO_URL.replace("https://github.com/", "https://colab.research.google.com/github/")
-             + "/blob/main/colab/")
+PYPROJECT = HERE.parent / "pyproject.toml"
+# The cells hold these markers; `build` puts the repository's URLs in their place.
+REPO_MARK, COLAB_MARK = "@REPO_URL@", "@COLAB_URL@"
+# While pyproject.toml's URL is the placeholder, the install cell refuses to pip-install it.
+PLACEHOLDER_OWNER = "/your-org/"
+
+
+def repository_url(pyproject: Path = PYPROJECT) -> str:
+  """`[project.urls] Repository` of pyproject.toml."""
+  text = pyproject.read_text(encoding="utf-8")
+  try:
+    import tomllib
+  except ModuleNotFoundError:  # Python 3.10: read the one key by hand
+    m = re.search(r'^\[project\.urls\][^\[]*?^Repository\s*=\s*"([^"]+)"', text, re.M | re.S)
+    if not m:
+      raise SystemExit(f"{pyproject}: no [project.urls] Repository")
+    return m.group(1)
+  return tomllib.loads(text)["project"]["urls"]["Repository"]
+
+
+def colab_url(repo_url: str) -> str:
+  """Where Colab opens the notebooks of a GitHub repository's main branch."""
+  m = re.fullmatch(r"https://github\.com/([^/]+/[^/]+?)(?:\.git)?/?", repo_url)
+  if not m:
+    raise SystemExit(f"{repo_url!r}: not a GitHub repository URL (https://github.com/OWNER/NAME), "
+                     f"which Colab's badge needs")
+  return f"https://colab.research.google.com/github/{m.group(1)}/blob/main/colab/"
 
 
 def md(text: str):
@@ -40,7 +69,7 @@ def code(*parts: str):
 
 def header(name: str, title: str, intro: str, runtime: str) -> list:
   badge = (f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
-           f"({COLAB_URL}{name}.ipynb)")
+           f"({COLAB_MARK}{name}.ipynb)")
   return [
       md(f"{badge}\n\n# {title}\n\n{textwrap.dedent(intro).strip()}\n\n"
          f"**Runtime:** {textwrap.dedent(runtime).strip()}"),
@@ -55,7 +84,7 @@ INSTALL = f'''
 # Install the project (one cell). Skipped when `seq2seq` is already importable; otherwise
 # from a local checkout if there is one ($SEQ2SEQ_SRC, or a folder above this notebook
 # holding pyproject.toml), else from the repository.
-REPO_URL = "{REPO_URL}"  # <- placeholder: put the project's repository here
+REPO_URL = "{REPO_MARK}"  # <- placeholder: put the project's repository here
 
 import importlib, importlib.util, os, pathlib, shutil, subprocess, sys
 
@@ -962,8 +991,11 @@ FAST = header(
 NOTEBOOKS = {"01_quickstart": QUICKSTART, "02_anatomy": ANATOMY, "03_fast_decoding": FAST}
 
 
-def build(cells: list) -> nbformat.NotebookNode:
-  nb = nbformat.v4.new_notebook(cells=cells)
+def build(cells: list, repo_url: str) -> nbformat.NotebookNode:
+  colab = colab_url(repo_url)
+  cells = [dict(c, source=c.source.replace(REPO_MARK, repo_url).replace(COLAB_MARK, colab))
+           for c in cells]
+  nb = nbformat.v4.new_notebook(cells=[nbformat.from_dict(c) for c in cells])
   nb.metadata = {
       "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
       "language_info": {"name": "python"},
@@ -982,11 +1014,16 @@ def _content(nb) -> list:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--check", action="store_true", help="compare instead of writing")
+  ap.add_argument("--repo", metavar="URL", default=None,
+                  help="the repository the notebooks install from and open in Colab (a fork's, "
+                       "https://github.com/OWNER/NAME); default: [project.urls] Repository of "
+                       "pyproject.toml")
   args = ap.parse_args(argv)
+  repo_url = (args.repo or repository_url()).rstrip("/")
   stale = []
   for name, cells in NOTEBOOKS.items():
     path = HERE / f"{name}.ipynb"
-    nb = build(cells)
+    nb = build(cells, repo_url)
     if args.check:
       if not path.exists() or _content(nbformat.read(path, as_version=4)) != _content(nb):
         stale.append(path.name)
