@@ -80,30 +80,65 @@ def header(name: str, title: str, intro: str, runtime: str) -> list:
 
 # --- cells shared by every notebook -----------------------------------------------------
 
-INSTALL = f'''
-# Install the project (one cell). Skipped when `seq2seq` is already importable; otherwise
-# from a local checkout if there is one ($SEQ2SEQ_SRC, or a folder above this notebook
-# holding pyproject.toml), else from the repository.
-REPO_URL = "{REPO_MARK}"  # <- placeholder: put the project's repository here
+INSTALL = '''
+# Install the project (one cell). Nothing to do when `seq2seq` is already importable (a
+# local run, or this runtime installed it already); otherwise pip installs it from a local
+# checkout if there is one ($SEQ2SEQ_SRC, ./seq2seq, or a folder above this notebook
+# holding pyproject.toml), else from REPO_URL, with the JAX of a GPU or TPU runtime.
+REPO_URL = "@REPO_URL@"  # the project's repository (or your fork's)
 
-import importlib, importlib.util, os, pathlib, shutil, subprocess, sys
+import importlib, importlib.metadata, importlib.util, os, pathlib, shutil, subprocess, sys
+
+class InstallStopped(Exception):
+  """Stops "Run all" with a one-line message instead of a traceback."""
+  def _render_traceback_(self):  # how IPython shows it
+    return [f"{type(self).__name__}: {self}"]
 
 def _local_checkout():
   here = pathlib.Path.cwd()
-  for p in (os.environ.get("SEQ2SEQ_SRC"), here, *here.parents):
+  for p in (os.environ.get("SEQ2SEQ_SRC"), here, here / "seq2seq", *here.parents):
     if p and (pathlib.Path(p) / "pyproject.toml").is_file() and (pathlib.Path(p) / "seq2seq").is_dir():
       return str(p)
 
+def _installed_versions(names):
+  versions = {}
+  for name in names:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  return versions
+
 if importlib.util.find_spec("seq2seq") is None:
-  packages = [_local_checkout() or f"git+{{REPO_URL}}"]
+  source = _local_checkout()
+  if source is None and "@PLACEHOLDER_OWNER@" in REPO_URL:  # no repository to install from
+    raise InstallStopped(
+        f"seq2seq is not installed and REPO_URL ({REPO_URL}) is a placeholder: set REPO_URL "
+        f"above to your fork's URL, or upload the project's folder as ./seq2seq, then run this "
+        f"cell again (locally: pip install -e '.[notebooks]' in the checkout).")
+  packages = [source or f"git+{REPO_URL}"]
   if shutil.which("nvidia-smi"):                                   # GPU runtime
     packages.append("jax[cuda12]")
   elif os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"):  # TPU runtime
     packages.append("jax[tpu]")
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", *packages], check=True)
+  # Packages this runtime has imported already: if pip replaces one, Python keeps the old.
+  imported = _installed_versions(m for m in ("jax", "jaxlib", "ml_dtypes", "numpy") if m in sys.modules)
+  print("pip install", *packages, "...")
+  pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *packages],
+                       capture_output=True, text=True)
+  if pip.returncode != 0:
+    sys.stderr.write(pip.stdout + pip.stderr)
+    raise InstallStopped(f"pip could not install {packages[0]} (exit code {pip.returncode}, "
+                         f"its messages are above): fix REPO_URL or the network, then run this "
+                         f"cell again.")
   importlib.invalidate_caches()
-  # If pip replaced an already imported JAX, restart the runtime once and run again.
-'''
+  replaced = [m for m, v in imported.items() if _installed_versions([m])[m] != v]
+  if replaced:
+    raise InstallStopped(f"pip replaced {', '.join(replaced)}, which this runtime had already "
+                         f"imported: restart the runtime (Runtime → Restart session), then "
+                         f"run all (this cell will find seq2seq installed).")
+  print("installed seq2seq")
+'''.replace("@PLACEHOLDER_OWNER@", PLACEHOLDER_OWNER)
 
 SETUP = '''
 import os
@@ -359,8 +394,10 @@ ANATOMY = header(
     learning-rate schedule. Each hand computation is checked against the library.
     """,
     """
-    CPU (everything here is small). Uses the model notebook 1 trained in the same runtime;
-    if there is none, it trains it first (about 3 minutes on CPU). GPU and TPU work too.
+    CPU (everything here is small); GPU and TPU work too. Run after notebook 1 in the same
+    folder (locally), it uses the model notebook 1 trained. On Colab every notebook opens in
+    a fresh runtime of its own, so this one first trains that model itself (about 3 minutes
+    on CPU).
     """) + [
     code(RECIPE, LOAD_MODEL, HEATMAP),
     md("""
@@ -769,8 +806,9 @@ FAST = header(
     """,
     """
     CPU (the timings below are CPU timings; on a GPU or TPU runtime the same code runs there
-    and the gap is similar in kind). Uses the model notebook 1 trained in the same runtime,
-    or trains it first (about 3 minutes on CPU).
+    and the gap is similar in kind). Run after notebook 1 in the same folder (locally), it
+    uses the model notebook 1 trained. On Colab every notebook opens in a fresh runtime of
+    its own, so this one first trains that model itself (about 3 minutes on CPU).
     """) + [
     code(RECIPE, LOAD_MODEL, HEATMAP),
     md("""
