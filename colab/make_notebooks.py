@@ -72,13 +72,19 @@ def header(name: str, title: str, intro: str, runtime: str) -> list:
            f"({COLAB_MARK}{name}.ipynb)")
   return [
       md(f"{badge}\n\n# {title}\n\n{textwrap.dedent(intro).strip()}\n\n"
-         f"**Runtime:** {textwrap.dedent(runtime).strip()}"),
+         f"**Runtime:** {textwrap.dedent(runtime).strip()}\n\n{textwrap.dedent(LOCAL).strip()}"),
       code(INSTALL),
       code(SETUP),
   ]
 
 
 # --- cells shared by every notebook -----------------------------------------------------
+
+LOCAL = """
+**Run it locally:** in a checkout of the project, `pip install -e '.[notebooks]'` (the
+project with JupyterLab), then `jupyter lab colab/`; the install cell below then has
+nothing to do.
+"""
 
 INSTALL = '''
 # Install the project (one cell). Nothing to do when `seq2seq` is already importable (a

@@ -45,11 +45,18 @@ def test_notebooks_are_generated_and_committed_without_outputs():
     first = nb.cells[0].source
     assert (f"https://colab.research.google.com/github/{owner_name}/blob/main/colab/{name}.ipynb"
             in first)
-    assert "**Runtime:**" in first
+    assert "**Runtime:**" in first and "pip install -e '.[notebooks]'" in first
     assert "pip" in nb.cells[1].source and f'REPO_URL = "{repo}"' in nb.cells[1].source
     for cell in nb.cells:
       if cell.cell_type == "code":
         assert cell.outputs == [] and cell.execution_count is None, f"{name}: outputs committed"
+
+
+def test_notebooks_extra_has_a_jupyter_front_end_and_dev_does_not():
+  tomllib = pytest.importorskip("tomllib")
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  assert any(d.startswith("jupyterlab") for d in extras["notebooks"])  # what the intros say
+  assert not any(d.startswith(("jupyterlab", "notebook")) for d in extras["dev"])  # CI's install
 
 
 def test_make_notebooks_repo_option_writes_a_forks_url(tmp_path):
