@@ -178,6 +178,12 @@ def recipe():
     cfg = override(cfg, ["train.steps=60", "train.log_every=10", "train.eval_every=1000",
                          "train.checkpoint_every=30", "train.cooldown_steps=20"])
   return cfg
+
+def log_line(step, m):
+  """train()'s `on_log`: a line every `log_every` steps, a notebook's progress report (the
+  terminal's progress bar, tqdm, would leave hundreds of fragments in a cell's output)."""
+  print(f"step {step:4d}: loss {m['loss']:.3f}, learning rate {m['learning_rate']:.2e}, "
+        f"{m['tokens_per_sec']:,.0f} tokens/s", flush=True)
 '''
 
 LOAD_MODEL = '''
@@ -189,7 +195,8 @@ from seq2seq.model import Transformer
 try:
   cfg, params, tokenizer = load_workdir(WORKDIR)  # the model notebook 1 trained
 except UserError:                                 # none yet: train it here (a few minutes)
-  print(train_lib.summary(train_lib.train(recipe(), str(WORKDIR))))
+  print(train_lib.summary(train_lib.train(recipe(), str(WORKDIR), progress=False,
+                                          on_log=log_line)))
   cfg, params, tokenizer = load_workdir(WORKDIR)
 model = Transformer(cfg.model)
 variables = {"params": params}
@@ -282,12 +289,14 @@ QUICKSTART = header(
     the vocabulary, Orbax checkpoints, `metrics.jsonl` and TensorBoard events under the
     workdir, evaluates on the validation set as it goes, and on the validation and test
     sets at the end (BLEU, chrF, exact match). Run it again and it resumes from the last
-    checkpoint.
+    checkpoint. In a terminal it shows a progress bar; here `progress=False` turns the bar
+    off and `on_log=log_line` (defined with `recipe` above) prints one line every
+    `log_every` steps instead.
     """),
     code('''
     from seq2seq import train_lib
 
-    result = train_lib.train(cfg, str(WORKDIR))
+    result = train_lib.train(cfg, str(WORKDIR), progress=False, on_log=log_line)
     print(train_lib.summary(result))
     '''),
     md("""

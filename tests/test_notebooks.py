@@ -191,3 +191,8 @@ def test_notebook_runs(name, notebook_env, monkeypatch):
   print(f"{name}.ipynb ran in {time.time() - start:.0f} s")
   if os.environ.get("SEQ2SEQ_NOTEBOOK_KEEP"):  # debugging: keep the executed notebook
     nbformat.write(nb, Path(notebook_env["SEQ2SEQ_NOTEBOOK_WORKDIR"]) / f"{name}.ipynb")
+  for i, cell in enumerate(nb.cells):  # readable outputs: no progress-bar fragments
+    streams = [o for o in cell.get("outputs", []) if o.output_type == "stream"]
+    assert len(streams) <= 40, f"{name}.ipynb cell {i}: {len(streams)} stream outputs"
+    assert not any("IProgress" in o.text or "\r" in o.text for o in streams), \
+        f"{name}.ipynb cell {i}: a progress bar in the output"
