@@ -414,6 +414,15 @@ ANATOMY = header(
     a fresh runtime of its own, so this one first trains that model itself (about 3 minutes
     on CPU).
     """) + [
+    md("""
+    ## The trained model
+
+    `recipe()` is notebook 1's run (the default of `python train.py`). `load_workdir`
+    restores the model it trained (config, parameters, vocabulary) from its workdir; when
+    there is none, as in a fresh Colab runtime, the cell trains it first (about 3 minutes on
+    CPU, one line per 25 steps). `pieces` turns token ids into their SentencePiece pieces
+    and `heatmap` draws a labelled matrix: the two helpers of the plots below.
+    """),
     code(RECIPE, LOAD_MODEL, HEATMAP),
     md("""
     ## 1. Teacher forcing: the right-shifted target
@@ -825,7 +834,16 @@ FAST = header(
     uses the model notebook 1 trained. On Colab every notebook opens in a fresh runtime of
     its own, so this one first trains that model itself (about 3 minutes on CPU).
     """) + [
-    code(RECIPE, LOAD_MODEL, HEATMAP),
+    md("""
+    ## The trained model
+
+    `recipe()` is notebook 1's run (the default of `python train.py`). `load_workdir`
+    restores the model it trained (config, parameters, vocabulary) from its workdir; when
+    there is none, as in a fresh Colab runtime, the cell trains it first (about 3 minutes on
+    CPU, one line per 25 steps). `Transformer(cfg.model)` is the Flax module; its methods
+    (`encode`, `decode_step`, ...) are applied to these parameters below.
+    """),
+    code(RECIPE, LOAD_MODEL),
     md("""
     ## 1. The cache, by hand
 

@@ -47,6 +47,9 @@ def test_notebooks_are_generated_and_committed_without_outputs():
             in first)
     assert "**Runtime:**" in first and "pip install -e '.[notebooks]'" in first
     assert "pip" in nb.cells[1].source and f'REPO_URL = "{repo}"' in nb.cells[1].source
+    assert nb.cells[2].cell_type == "code" and "import seq2seq" in nb.cells[2].source  # setup
+    assert nb.cells[3].cell_type == "markdown", \
+        f"{name}: the first cell after the setup has no text before it"
     for cell in nb.cells:
       if cell.cell_type == "code":
         assert cell.outputs == [] and cell.execution_count is None, f"{name}: outputs committed"
