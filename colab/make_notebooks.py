@@ -246,28 +246,51 @@ QUICKSTART = header(
 
     `get_experiment("numbers")` is the default run of `python train.py`: a small model
     (d_model 64, 4 heads, 2+2 layers) and the paper's recipe (Adam, warm-up then inverse
-    square-root learning rate, label smoothing). We only move its data under `ROOT`.
+    square-root learning rate, label smoothing ε = 0.1), plus three changes that keep this
+    short run stable, none of them the paper's: gradient clipping, Adam β2 = 0.99 (the
+    paper: 0.98) and a learning-rate cooldown over the last 100 steps (section 3). We only
+    move its data under `ROOT`.
     """),
     code(RECIPE, '''
     cfg = recipe()
     print("model:", cfg.model)
-    print("train:", {k: getattr(cfg.train, k) for k in ("steps", "batch_size", "seq_len",
-                                                         "warmup_steps", "learning_rate_scale")})
+    print("data: ", {k: getattr(cfg.data, k) for k in ("dataset", "vocab_size", "max_src_len",
+                                                        "max_tgt_len")})
+    print("train:", {k: getattr(cfg.train, k) for k in (
+        "steps", "batch_size", "seq_len", "warmup_steps", "learning_rate_scale", "cooldown_steps",
+        "label_smoothing", "clip_grad_norm", "adam_b2")})
     '''),
     md("""
     `load_dataset` builds the embedded dataset (TFDS, generated offline with `num2words`,
     about 30 s the first time), trains a SentencePiece vocabulary on it and tokenizes the
     splits; everything is cached, so `train` below finds it ready. The validation and test
     numbers never occur in training.
+
+    **Which vocabulary size?** Three appear, and the model uses only the last one.
+    `model.vocab_size` above (32000, the default of `TransformerConfig`: the paper's base
+    model) is a placeholder, because the vocabulary does not exist yet: `train` replaces it
+    with the size of the vocabulary it loads, and saves that config in the workdir.
+    `data.vocab_size` (8000) is the size asked of SentencePiece, lowered to 1024 for this
+    task, and only an upper bound: with so few distinct words in number phrases,
+    SentencePiece stops at a few hundred pieces: 4 special ones (PAD, BOS, EOS, UNK),
+    256 byte pieces (byte fallback, so any text can be encoded) and about a hundred pieces of
+    words. That learned size is the model's: one embedding row (and one output logit) per
+    piece.
     """),
     code('''
     from seq2seq.data import load_dataset
+    from seq2seq.data.dataset import NUMBERS_MAX_VOCAB
 
     ds = load_dataset(cfg, str(WORKDIR))
     tokenizer = ds.tokenizer
-    print({split: ds.num_examples(split) for split in ds.splits}, "pairs;",
-          f"vocabulary of {tokenizer.vocab_size} pieces (PAD {tokenizer.pad_id}, "
-          f"BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id})")
+    print({split: ds.num_examples(split) for split in ds.splits}, "pairs")
+    V = tokenizer.vocab_size
+    n_bytes = sum(tokenizer.id_to_piece(i).startswith("<0x") for i in range(V))
+    print(f"vocabulary: model.vocab_size {cfg.model.vocab_size} (placeholder); data.vocab_size "
+          f"{cfg.data.vocab_size} asked, at most {NUMBERS_MAX_VOCAB} here; learned: {V} pieces = "
+          f"4 special + {n_bytes} bytes + {V - 4 - n_bytes} word pieces -> the model's vocab_size")
+    print(f"special ids: PAD {tokenizer.pad_id}, BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id}; "
+          f"first word pieces: {[tokenizer.id_to_piece(i) for i in range(4 + n_bytes, 4 + n_bytes + 8)]}")
     batch = next(ds.eval_batches("validation", 4))
     for src, tgt in zip(batch["src_text"], batch["tgt_text"]):
       print(f"{src!r:72} -> {tgt!r}")
@@ -340,6 +363,8 @@ QUICKSTART = header(
     from seq2seq.checkpoint import load_workdir
 
     cfg, params, tokenizer = load_workdir(WORKDIR)
+    print("the saved config's vocab_size:", cfg.model.vocab_size,
+          "| embedding matrix:", params["embed"]["embedding"].shape)
     numbers = [7, 42, 1_999, 80_081, 342_817, 999_999]
     sentences = [num2words(n) for n in numbers]
     greedy = decoding.translate(params, cfg.model, tokenizer, sentences, decoding.Greedy())
