@@ -539,24 +539,39 @@ ANATOMY = header(
     `perplexity` = exp(nll).
     """),
     md("""
-    ## 2. The causal mask
+    ## 2. The causal mask, and padding
 
-    What keeps position *t* from reading the answer: a boolean mask, True where query *q*
-    may attend to key *k*, i.e. *k ≤ q*. With padding (id 0) in a batch, keys that are
-    padding are masked too (`decoder_self_mask` combines both).
+    What keeps position *t* from reading the answer: a boolean mask, True (black below)
+    where query *q* may attend to key *k*, i.e. *k ≤ q*. In a batch, rows are padded with
+    id 0 to a common length; here our row gets 3 pad tokens. `padding_mask(valid, valid)` is
+    True only where the query *and* the key are real tokens: it removes the padding columns
+    (no query reads a pad token) and the padding rows (a pad token reads nothing).
+    `decoder_self_mask` is both masks together.
+
+    Why the padding *rows* as well? A row of the mask decides only what its own query
+    position reads, so it changes nothing for the real tokens. It leaves the pad positions
+    attending to nothing (all-zero weights, never NaN: see `attention_weights`) rather than
+    to real tokens, and whatever they output is ignored anyway: the loss gives padding
+    targets weight 0. (In the decoder, trailing padding lies in every real token's future,
+    so the causal mask alone already hides those columns from the real rows; hiding padding
+    keys matters in the encoder and in cross-attention, which have no causal mask.)
     """),
     code('''
-    from seq2seq.attention import causal_mask
+    from seq2seq.attention import causal_mask, padding_mask
     from seq2seq.model import decoder_self_mask
 
     T = tgt_in.shape[1]
     padded = jnp.pad(tgt_in, ((0, 0), (0, 3)))             # the same row with 3 pad tokens
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    heatmap(axes[0], causal_mask(T)[0, 0], in_pieces, in_pieces, "causal_mask(T)",
-            "key (decoder input)", "query (decoder input)", cmap="Greys", colorbar=False)
-    heatmap(axes[1], decoder_self_mask(padded)[0, 0], pieces(padded[0]), pieces(padded[0]),
-            "decoder_self_mask: causal and not padding", "key", "query", cmap="Greys",
-            colorbar=False)
+    valid = padded != 0                                     # [1, T + 3]: real tokens
+    both = decoder_self_mask(padded)
+    assert np.array_equal(both, causal_mask(T + 3) & padding_mask(valid, valid))
+    pad_pieces = pieces(padded[0])
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    for ax, m, title in ((axes[0], causal_mask(T + 3), "causal_mask: key ≤ query"),
+                         (axes[1], padding_mask(valid, valid), "padding_mask: real query, real key"),
+                         (axes[2], both, "decoder_self_mask: both")):
+      heatmap(ax, m[0, 0], pad_pieces, pad_pieces, title, "key (decoder input)",
+              "query (decoder input)" if ax is axes[0] else "", cmap="Greys", colorbar=False)
     plt.tight_layout(); plt.show()
     '''),
     md("""
