@@ -793,12 +793,15 @@ ANATOMY = header(
     returns the logits of every step. Greedy takes the argmax; sampling draws from
     softmax(logits / temperature), optionally kept to the *k* most likely tokens (top-k)
     or to the smallest set holding probability *p* (top-p, nucleus). The filtered
-    distributions come from `decoding.filter_logits`, the function the sampler uses.
+    distributions come from `decoding.filter_logits`, the function the sampler uses. Each
+    panel shows the 12 most likely tokens and, in gray, all the other tokens of the
+    vocabulary together.
     """),
     code('''
     from seq2seq import decoding
 
-    odd = ["forty-forty", "one million", "a hundred", "one thousand million", "three point five"]
+    odd = ["forty-forty", "one million", "a hundred", "one thousand million", "three point five",
+           "nineteen eighty-four", "twelve hundred", "minus five"]
     ids, _ = decoding.encode_sources(tokenizer, odd, mc.max_len)
     odd_src = np.zeros((len(ids), max(map(len, ids))), np.int32)
     for r, s in enumerate(ids):
@@ -813,25 +816,47 @@ ANATOMY = header(
     prefix = pieces(res.tokens[b, 0, :t])
     print(f"{odd[b]!r} -> {tokenizer.decode(res.token_lists(EOS)[b])!r}; step {t}, after {prefix}")
 
+    V = row.shape[-1]
     shown = np.argsort(-np.asarray(row[0]))[:12]                       # the 12 most likely tokens
     cases = [("greedy (argmax)", None), ("temperature 0.5", decoding.Sample(temperature=0.5)),
              ("temperature 1 (the model)", decoding.Sample()),
              ("temperature 2", decoding.Sample(temperature=2.0)),
              ("top-k, k = 3", decoding.Sample(top_k=3)), ("top-p, p = 0.6", decoding.Sample(top_p=0.6))]
-    fig, axes = plt.subplots(2, 3, figsize=(16, 7), sharey=True)
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8), sharey=True)
     for ax, (name, strategy) in zip(axes.flat, cases):
       if strategy is None:
-        dist = jax.nn.one_hot(jnp.argmax(row[0]), row.shape[-1])
+        dist = np.asarray(jax.nn.one_hot(jnp.argmax(row[0]), V))
       else:
-        dist = jax.nn.softmax(decoding.filter_logits(row, strategy)[0])
-      ax.bar(range(len(shown)), dist[shown])
-      ax.set_xticks(range(len(shown)), pieces(shown), rotation=60, fontsize=8)
-      ax.set(title=f"{name}: {float(dist[shown].sum()):.0%} on these 12", xlabel="token",
-             ylabel="probability of being chosen")
+        filtered = decoding.filter_logits(row, strategy)[0]
+        dist = np.asarray(jax.nn.softmax(filtered))
+      kept = int((dist > 0).sum()) if strategy is None else int(jnp.isfinite(filtered).sum())
+      rest = max(float(1 - dist[shown].sum()), 0.0)                     # the other V - 12 tokens
+      ax.bar(range(12), dist[shown], color="C0")
+      ax.bar([12], [rest], color="gray")
+      ax.set_xticks(range(13), pieces(shown) + [f"other {V - 12}"], rotation=60, fontsize=8)
+      ax.set(title=f"{name}\\n{kept} of {V} tokens can be drawn, {rest:.0%} on the others",
+             xlabel="token", ylabel="probability of being chosen")
     fig.suptitle(f"Source {odd[b]!r}, step {t}: the next-token distribution, six ways")
     plt.tight_layout(); plt.show()
+
+    # top-k keeps k tokens at every step; top-p as many as it takes to reach p
+    steps = res.logits[b, :int(res.lengths[b, 0])]                     # this output's steps
+    for name, strategy in cases[4:]:
+      sizes = jnp.isfinite(decoding.filter_logits(jnp.asarray(steps), strategy)).sum(-1)
+      print(f"{name}: tokens kept at each step of the output: {np.asarray(sizes).tolist()}")
     '''),
     md("""
+    Plain sampling at temperature 1 draws from the model's whole distribution, tail
+    included: the gray bar is the chance of drawing one of the many tokens that are not in
+    the picture at all, most of them nonsense here (bytes, English pieces). Temperature 0.5
+    sharpens the distribution towards greedy; temperature 2 flattens it, so the tail gets
+    more. Top-k and top-p cut the tail off (nothing gray) and share the probability among
+    the tokens they keep, which therefore grow. At a step like this one, with two
+    candidates clearly ahead, they keep almost the same: top-p the two, top-k also a third
+    that had next to no probability. They differ elsewhere, as printed: top-k keeps k
+    tokens at every step, top-p as many as it takes to reach p, just one where the model
+    is sure.
+
     Sampling whole translations: `decoding.decode` runs a strategy over a batch (here four
     copies of that source, so each row draws its own translation; the score is the
     log-probability of the output under the model). Greedy gave the one printed above.
