@@ -338,7 +338,7 @@ QUICKSTART = header(
     −log p(reference), without smoothing) and `perplexity` = exp(nll) for the validation
     and test sets (middle). A model trained towards q settles near p(reference) = 0.9, so
     its NLL settles near −log 0.9 ≈ 0.105 nats and its perplexity near 1/0.9 ≈ 1.11 (the
-    dashed line), even when every translation is right: that floor is the price of label
+    dashed line), even when every translation is right: that level is the price of label
     smoothing, which the paper found hurts perplexity but helps BLEU.
 
     **The learning rate** (right) follows the paper's schedule, a linear warm-up over
