@@ -340,8 +340,8 @@ def prepare_workdir(cfg: Config, workdir) -> Config:
                for k in ("clip_grad_norm", "weight_decay")
                if (getattr(old.train, k) > 0) != (getattr(cfg.train, k) > 0)]
     raise UserError(f"workdir {workdir} holds a run whose optimizer state has another form "
-                    f"({'; '.join(changed)}): turning clipping or weight decay on or off "
-                    f"needs a new --workdir")
+                    f"({'; '.join(changed) or 'train section'}): turning clipping or weight "
+                    f"decay on or off needs a new --workdir")
   for section in ("model", "data"):
     a, b = getattr(old, section), getattr(cfg, section)
     if section == "model":  # the vocabulary size is derived from the data
@@ -393,7 +393,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
         break
     raise
   cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
-  resuming = ckpt_lib.read_config(workdir) is not None
+  resuming = ckpt_lib.config_path(workdir).exists()   # (prepare_workdir has read it)
   if _is_main() and not resuming:   # a new run's config goes with the vocabulary just made
     ckpt_lib.write_config(workdir, cfg)
   trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
