@@ -57,7 +57,7 @@ _SAVE_FAILURE_LOG = re.compile(r"_SignalingThread\.run\(\) raised an exception|i
 _QUIETED = False
 
 
-def _quiet_failed_reads() -> None:
+def _quiet_background_failures() -> None:
   """When one read of a restore (or write of a save) fails, Orbax's others go on failing in
   background threads and each prints a traceback (thousands of lines for one corrupt file),
   some while the first error is still on its way up. Silence exactly those, from the first
@@ -128,6 +128,7 @@ class Checkpoints:
   def __init__(self, workdir, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = (Path(workdir) / CKPT_DIR).absolute()
     self.read_only = read_only
+    self._saving: int | None = None   # the step of the last save started
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=async_save)
@@ -142,7 +143,7 @@ class Checkpoints:
   def save(self, step: int, state, meta: dict) -> None:
     """Starts writing `step` (async); a failure of it, or of the save before it, raises
     CheckpointWriteError here or in `wait`."""
-    _quiet_failed_reads()
+    _quiet_background_failures()
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -156,10 +157,9 @@ class Checkpoints:
     code = re.search(r"os_error_code='(\d+)'", str(e))
     why = (os.strerror(int(code.group(1))) if code else
            e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e))
-    step = getattr(self, "_saving", None)
-    return CheckpointWriteError(
-        f"cannot write checkpoint {self.directory / str(step) if step is not None else self.directory}"
-        f": {why} (the checkpoints saved before it are intact)")
+    where = self.directory if self._saving is None else self.directory / str(self._saving)
+    return CheckpointWriteError(f"cannot write checkpoint {where}: {why} (the checkpoints "
+                                f"saved before it are intact)")
 
   def restore(self, abstract_state, step: int | None = None, params_only: bool = False):
     """(state, meta) of `step`, or of the newest readable checkpoint; None if there is none.
@@ -180,7 +180,7 @@ class Checkpoints:
               {"params": abstract_state}))
     else:
       to_read = ocp.args.StandardRestore(abstract_state)
-    _quiet_failed_reads()
+    _quiet_background_failures()
     for s in candidates:
       try:
         restored = self.manager.restore(s, args=ocp.args.Composite(
