@@ -8,6 +8,8 @@
 
 Everything (model config, parameters, SentencePiece vocabulary) comes from the workdir.
 """
+from __future__ import annotations
+
 import argparse
 import contextlib
 import itertools
@@ -69,6 +71,29 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
+def strategy_from_flags(*, beam_size: int | None = None, alpha: float | None = None,
+                        n_best: int | None = None, temperature: float | None = None,
+                        top_k: int | None = None, top_p: float | None = None) -> Strategy:
+  """decode.py's rule (None = flag not given): any of temperature / top_k / top_p means
+  sampling, beam_size 1 means greedy, otherwise beam search (default size 4, alpha 0.6).
+  Options that contradict the chosen strategy raise UserError, e.g. top_k with a beam size
+  above 1, alpha or n_best with sampling, temperature <= 0, top_p outside (0, 1]."""
+  from seq2seq.errors import UserError
+  from seq2seq.search import Beam, get_strategy
+  paper = Beam()   # 4 hypotheses, alpha 0.6
+  sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items()
+              if v is not None}
+  if sampling:
+    if beam_size not in (None, 1):
+      raise UserError(f"{', '.join(sampling)} (sampling) cannot be used with beam search "
+                      f"(beam size {beam_size!r}); drop the beam size to sample")
+    return get_strategy("sample", alpha=alpha, n_best=n_best, **sampling)
+  if beam_size == 1:
+    return get_strategy("greedy", alpha=alpha, n_best=n_best)
+  return get_strategy("beam", beam_size=paper.size if beam_size is None else beam_size,
+                      alpha=paper.alpha if alpha is None else alpha, n_best=n_best)
+
+
 def _one_line(text: str) -> str:
   """A translation may hold line breaks (byte pieces can spell any character): keep it on
   one output line."""
@@ -105,8 +130,8 @@ def write(out, first: int, n_best: int | None) -> list[str]:
 
 def read_references(path, num_lines: int) -> list[str]:
   """The lines of --reference FILE, which must match the input line for line."""
-  from seq2seq.decoding import read_lines
   from seq2seq.errors import UserError
+  from seq2seq.textio import read_lines
   refs = read_lines(path)
   if len(refs) != num_lines:
     raise UserError(f"--reference {path} has {len(refs)} line(s), the input {num_lines}")
@@ -142,7 +167,7 @@ def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   import absl.logging  # Orbax logs through absl: keep its chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
-  from seq2seq import compile_cache, decoding
+  from seq2seq import compile_cache, textio, translate
   from seq2seq.checkpoint import load_workdir
   compile_cache.enable()
   from seq2seq.errors import UserError, one_line_warnings
@@ -153,7 +178,7 @@ def main(argv=None) -> int:
       raise UserError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if not 0 <= args.seed < 2 ** 32:
       raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
-    strategy = decoding.strategy_from_flags(
+    strategy = strategy_from_flags(
         beam_size=args.beam_size, alpha=args.alpha, n_best=args.n_best,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.sentences and args.input is not None:
@@ -162,7 +187,7 @@ def main(argv=None) -> int:
     if args.sentences:
       lines = args.sentences
     elif args.input not in (None, "-"):
-      lines = decoding.read_lines(args.input)
+      lines = textio.read_lines(args.input)
     elif sys.stdin.isatty():                    # someone typing: answer each line
       if args.reference is not None:
         raise UserError("--reference needs the input as --input FILE, SENTENCE arguments "
@@ -170,7 +195,7 @@ def main(argv=None) -> int:
       print("type a sentence and press Enter (end with Ctrl-D)", file=sys.stderr)
       lines, args.chunk_size, args.no_progress = typed_lines(sys.stdin), 1, True
     else:
-      lines = decoding.read_lines(getattr(sys.stdin, "buffer", sys.stdin))
+      lines = textio.read_lines(getattr(sys.stdin, "buffer", sys.stdin))
     if args.reference is not None:
       references = read_references(args.reference, len(lines))
     bar = None
@@ -178,7 +203,7 @@ def main(argv=None) -> int:
       from tqdm.auto import tqdm
       bar = tqdm(total=len(lines), unit="line", file=sys.stderr, dynamic_ncols=True)
     start, done, num_tokens, truncated, hypotheses = time.perf_counter(), 0, 0, [], []
-    chunks = decoding.translate_chunks(
+    chunks = translate.translate_chunks(
         params, cfg.model, tokenizer, lines, strategy, chunk_size=args.chunk_size,
         batch_size=args.batch_size, max_len=args.max_len, rng=args.seed,
         progress=bar.update if bar else None)

@@ -69,7 +69,7 @@ def config_items(args, overrides: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  from seq2seq import malloc
+  from seq2seq.kernels import malloc
   malloc.keep_freed_memory()   # before JAX starts its threads
   import absl.logging  # TFDS and Orbax log through absl: keep their chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.pairs < 1 or args.calls < 1:
     sys.exit("error: --pairs and --calls must be at least 1")
-  from seq2seq import malloc
+  from seq2seq.kernels import malloc
   if args.mode == "train":   # as train.py and bench_train.py do, before JAX starts
     malloc.keep_freed_memory()
   tmp = tempfile.TemporaryDirectory(prefix="ab_")

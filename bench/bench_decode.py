@@ -54,13 +54,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seq2seq import decoding
+from seq2seq import decoding, search
+from seq2seq.config import get_config
+from seq2seq.kernels import cpu as cpu_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import matmul_peak, timed_calls  # noqa: E402
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
-STRATEGIES = {"greedy": decoding.Greedy(), "beam4": decoding.Beam(size=4, alpha=0.6)}
+STRATEGIES = {"greedy": search.Greedy(), "beam4": search.Beam(size=4, alpha=0.6)}
 # Targets for later optimisation (issue 5), cached tokens/s on the reference CPU.
 TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
@@ -157,11 +159,11 @@ def main(argv=None):
   ap.add_argument("--f32_dots", default="auto", choices=("auto", "xla", "ynnpack"),
                   help="the f32 loop's dots on CPU: auto = XLA's own dot emitter without "
                        "AVX-512, YNNPACK (XLA's default) with it; xla or ynnpack force one, to "
-                       "A/B decoding.cpu_f32_decode_options on a new machine")
+                       "A/B the f32 decode loop's XLA options (kernels/cpu.py) on a new machine")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "decode.json"))
   args = ap.parse_args(argv)
-  decoding.F32_DOTS = args.f32_dots
+  cpu_kernels.F32_DOTS = args.f32_dots
   jax.config.update("jax_enable_compilation_cache", False)   # compile times from scratch
 
   rows, cfgs = [], {}
@@ -199,7 +201,7 @@ def main(argv=None):
           f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s}")
   print(f"\nDecode speed: src_len {args.src_len}, {args.new_tokens} new tokens, "
         f"dtype {args.dtype}, jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"XLA options of the f32 loop {decoding.cpu_f32_decode_options() or 'default'}, "
+        f"XLA options of the f32 loop {cpu_kernels.decode_compiler_options(get_config('small')) or 'default'}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
         f"Measured in this run: matmul peak {peak['flops_per_s'] / 1e9:.0f} GFLOP/s "
         f"({args.dtype}, {peak['n']}^3), read bandwidth "
@@ -237,7 +239,7 @@ def main(argv=None):
               jax=jax.__version__, device=jax.devices()[0].device_kind,
               cpu_count=os.cpu_count(), machine=platform.machine(),
               load_avg=os.getloadavg(), args=vars(args),
-              cpu_f32_decode_options=decoding.cpu_f32_decode_options(),
+              cpu_f32_decode_options=cpu_kernels.decode_compiler_options(get_config("small")),
               matmul_peak=peak, read_bandwidth=bandwidth, cost_formula=COST_FORMULA)
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, results=rows), f, indent=2)

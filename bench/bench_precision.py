@@ -127,7 +127,7 @@ def child_prepare(overrides: list[str], data_workdir: str) -> dict:
 
 def child_train(overrides: list[str], workdir: str, eval_examples: int) -> dict:
   """One training run via train_lib.train; the training loss of every step via on_log."""
-  from seq2seq import malloc
+  from seq2seq.kernels import malloc
   malloc.keep_freed_memory()   # as train.py does, before JAX starts
   _quiet()
   from seq2seq import train_lib

@@ -158,7 +158,7 @@ def workload(preset: str, dtype: str, package: str = "seq2seq"):
 def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
   """One (preset, dtype) measurement; meant to run in a fresh process."""
   import jax
-  from seq2seq import malloc
+  from seq2seq.kernels import malloc
 
   rss_start = _vm_hwm_mb()
   w = WORKLOADS[preset]
@@ -215,7 +215,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   if args._child:  # preset,dtype: measure and print one JSON line
-    from seq2seq import malloc
+    from seq2seq.kernels import malloc
     malloc.keep_freed_memory()   # as train.py does, before JAX starts
     preset, dtype = args._child.split(",")
     import jax

@@ -212,7 +212,7 @@ def main(argv=None):
   ap.add_argument("--hlo", default="", help="also write the compiled HLO text here")
   args = ap.parse_args(argv)
   if args.what == "train":
-    from seq2seq import malloc
+    from seq2seq.kernels import malloc
     malloc.keep_freed_memory()   # as train.py does, before JAX starts
     hlo, run = profile_train(args.preset, args.dtype)
     what = f"train step, {args.preset} {args.dtype}"

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from seq2seq import state as state_lib
 from seq2seq.config import Config, ConfigError
 from seq2seq.errors import UserError
 
@@ -237,17 +238,12 @@ class Checkpoints:
       self.manager.close()
 
 
-def abstract_state(cfg: Config):
-  """Shapes and dtypes of the TrainState of `cfg` (nothing is computed)."""
-  from seq2seq import train_lib
-  return jax.eval_shape(lambda: train_lib.init_state(cfg, jax.random.key(0)))
-
-
 def local_abstract_state(cfg: Config):
   """The TrainState of `cfg` as restore targets on this host's first device."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state(cfg))
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+      state_lib.abstract_state(cfg))
 
 
 def _check_param_shapes(workdir, ckpts: Checkpoints, step: int | None, params) -> None:
@@ -358,8 +354,7 @@ def write_averaged_workdir(workdir, output, last: int = 5) -> list[int]:
     write_config(output, cfg)
   except OSError as e:
     raise UserError(f"cannot write {output}: {e.strerror or e}") from None
-  from seq2seq import train_lib
-  full = train_lib.init_state(cfg, jax.random.key(0))  # optimizer state: fresh (unused by decoding)
+  full = state_lib.init_state(cfg, jax.random.key(0))  # optimizer state: fresh (unused by decoding)
   full = full.replace(step=np.asarray(steps[-1], np.int32), params=params)
   ckpts = Checkpoints(output, keep=1, async_save=False)
   ckpts.save(steps[-1], full, {"step": steps[-1], "averaged_steps": steps,

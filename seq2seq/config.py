@@ -40,6 +40,11 @@ class TransformerConfig:
   pre_ln: bool = False           # False: the paper's post-LN, LayerNorm(x + Sublayer(x))
   dtype: str = "float32"         # compute dtype of matmul inputs ("bfloat16" for mixed)
   param_dtype: str = "float32"
+  # Who computes matmuls, attention, dropout masks and the train step's head + loss
+  # (seq2seq/kernels): "reference" (plain JAX, the paper as written), "cpu" (XLA:CPU speed
+  # work), "accelerator" (jax.nn.dot_product_attention) or "auto" (cpu on CPU, accelerator
+  # elsewhere). All compute the same function; parameters are the same.
+  kernels: str = "auto"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
@@ -56,6 +61,8 @@ class TransformerConfig:
     for name in ("dtype", "param_dtype"):
       _check(getattr(self, name) in ("float32", "bfloat16", "float16"),
              f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+    _check(self.kernels in ("auto", "reference", "cpu", "accelerator"),
+           f"kernels must be auto, reference, cpu or accelerator, got {self.kernels!r}")
 
   @property
   def head_dim(self) -> int:
@@ -250,15 +257,9 @@ def get_experiment(name: str = "numbers") -> Config:
   (`tiny`, `small`, `base`, `big`) with the paper's training recipe, or `small_cpu` (the
   `small` model on your own parallel text in about half an hour on a CPU)."""
   if name == "numbers":
-    # python train.py   On a 2-core CPU: ~1.5-2.5 minutes in all (dataset build,
-    # SentencePiece, compilation, 300 steps, evaluation); reaches 100% exact match on the
-    # 1,002 held-out test numbers (6 seeds; validation is at 100% from about step 200) and
-    # gets every number below 1000 and every round number right (6 of 6 seeds).
-    # Not the paper's: gradient clipping, adam_b2=0.99 and a cooldown over the last 100
-    # steps, each against loss spikes in the last steps that spoil the final model. With
-    # b2=0.98, 2 of 3 seeds spiked (test 98.8% / 99.7%, round numbers 74% / 98%); without
-    # the clipping, 4 of 6 (test 71-97.5%); without the cooldown, 1 of 6 (test 97.5%,
-    # first thousand 94.7%, round numbers 88.6%), and 2 others missed 1-2 round numbers.
+    # python train.py   ~1.5-2.5 min on 2 CPU cores; 100% exact match on the 1,002 held-out
+    # test numbers. Not the paper's: gradient clipping, adam_b2=0.99 and a cooldown over the
+    # last 100 steps, each against a late loss spike (docs/default_run.md).
     return Config(
         model=TransformerConfig(d_model=64, num_heads=4, num_encoder_layers=2,
                                 num_decoder_layers=2, d_ff=256, dropout_rate=0.0, max_len=64),
@@ -268,17 +269,13 @@ def get_experiment(name: str = "numbers") -> Config:
                           cooldown_steps=100, eval_every=100, checkpoint_every=100, log_every=25,
                           eval_batch_size=256, num_eval_examples=200))
   if name == "small_cpu":
-    # python train.py --workdir runs/bible --config small_cpu \
-    #     --train_files ../shared/corpora/bible_web_lsg/train \
-    #     --validation_files ../shared/corpora/bible_web_lsg/validation \
-    #     --test_files ../shared/corpora/bible_web_lsg/test  [--config.model.dtype=bfloat16]
-    # The `small` model on your own parallel text (~30k pairs) in about half an hour on 2
-    # CPU cores. On the Bible (27,484 en→fr verse pairs of <= 64 tokens), bf16, 2 cores of
-    # an AVX512-BF16 CPU: 31 min in all, test BLEU 17.5, chrF 40.2 (greedy; 18.8 / 41.2
-    # with decode.py's beam 4), validation BLEU still rising at the last step.
+    # python train.py --workdir runs/bible --config small_cpu --config.model.dtype=bfloat16 \
+    #     --train_files data/bible/train --validation_files data/bible/validation \
+    #     --test_files data/bible/test        (data: python -m seq2seq.data.bible data/bible)
+    # ~31 min on 2 CPU cores (AVX512-BF16); test BLEU 17.5 greedy, 18.8 beam 4.
     # Not the paper's recipe, which needs far more compute: 64 packed rows of 64 tokens per
-    # batch (the paper: ~25k tokens), warmup 400 steps to a higher peak (scale 0.7), a
-    # cooldown over the last 500 steps, and dropout on the FFN's hidden units too.
+    # batch, warmup 400 steps to a higher peak (scale 0.7), a cooldown over the last 500
+    # steps, and dropout on the FFN's hidden units too.
     return Config(
         model=get_config("small").replace(ffn_dropout_rate=0.1),
         data=DataConfig(dataset="parallel_text"),

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from seq2seq import attention as attn
 from seq2seq.config import TransformerConfig
-from seq2seq.layers import (AddNorm, DecoderLayer, Dense, Dropout, Embed, EncoderLayer,
-                            add_positions, dense_group)
+from seq2seq.layers import (DecoderLayer, Dense, Dropout, Embed, EncoderLayer, add_positions,
+                            dense_group, split_heads)
 
 
 def _valid(tokens_BxL, segments_BxL):
@@ -46,7 +46,7 @@ class Encoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.dropout = Dropout(cfg.dropout_rate)
+    self.dropout = Dropout(cfg.dropout_rate, cfg.kernels)
     self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
     if cfg.pre_ln:
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
@@ -64,7 +64,7 @@ class Decoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.dropout = Dropout(cfg.dropout_rate)
+    self.dropout = Dropout(cfg.dropout_rate, cfg.kernels)
     self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
     if cfg.pre_ln:
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
@@ -73,9 +73,9 @@ class Decoder(nn.Module):
     """Every layer's cross-attention (keys, values), [B, H, S, Dh] each: the encoder output
     projected for all layers in one matmul."""
     attns = [layer.cross_attn for layer in self.layers]
-    kv = dense_group(encoded_BxSxD, [d for a in attns for d in (a.key, a.value)])
-    return tuple((a._heads_major(kv[2 * i]), a._heads_major(kv[2 * i + 1]))
-                 for i, a in enumerate(attns))
+    kv = [split_heads(y, self.config.dtype) for y in
+          dense_group(encoded_BxSxD, [d for a in attns for d in (a.key, a.value)])]
+    return tuple(zip(kv[0::2], kv[1::2]))
 
   def __call__(self, y_BxTxD, cross_kv, self_mask, cross_mask, positions=None,
                train: bool = False, cache=None, index=0):
@@ -96,16 +96,15 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     if cfg.share_embeddings:
-      self.embed = Embed(cfg.vocab_size, cfg.d_model, **kw)
+      self.embed = Embed(cfg)
     else:
-      self.src_embed = Embed(cfg.vocab_size, cfg.d_model, **kw)
-      self.tgt_embed = Embed(cfg.vocab_size, cfg.d_model, **kw)
+      self.src_embed = Embed(cfg)
+      self.tgt_embed = Embed(cfg)
     self.encoder = Encoder(cfg)
     self.decoder = Decoder(cfg)
     if not cfg.tie_output:
-      self.logits_dense = Dense(cfg.d_model, cfg.vocab_size, **kw)
+      self.logits_dense = Dense(cfg, cfg.d_model, cfg.vocab_size)
 
   def _src_embed(self):
     return self.embed if self.config.share_embeddings else self.src_embed

@@ -1,4 +1,4 @@
-"""Training: TrainState, the jitted train/eval steps over a Mesh, the loop, evaluation.
+"""Training: the loss, the jitted train/eval steps over a Mesh, the loop, evaluation.
 
 Everything here is importable from a notebook; train.py only parses flags and calls `train`.
 """
@@ -14,9 +14,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,77 +23,46 @@ import optax
 
 from seq2seq import checkpoint as ckpt_lib
 from seq2seq import config as config_lib
-from seq2seq import malloc
+from seq2seq import kernels
 from seq2seq import metrics as metrics_lib
 from seq2seq import sharding as shd
 from seq2seq.config import Config
 from seq2seq.errors import UserError
-from seq2seq.losses import head_chunks, head_cross_entropy, shift_right
+from seq2seq.kernels import malloc
+from seq2seq.losses import accuracy, cross_entropy, shift_right
 from seq2seq.model import Transformer, head_weights
-from seq2seq.optim import make_optimizer, warmup_rsqrt_schedule
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array          # number of updates applied so far
-  params: Any
-  opt_state: Any
+from seq2seq.state import TrainState, init_state, optimizer, schedule
 
 
 class NonFiniteLoss(UserError):
   pass
 
 
-def schedule(cfg: Config) -> Callable:
-  t = cfg.train
-  return warmup_rsqrt_schedule(cfg.model.d_model, t.warmup_steps, t.learning_rate_scale,
-                               t.cooldown_steps, t.steps)
-
-
-def optimizer(cfg: Config) -> optax.GradientTransformation:
-  t = cfg.train
-  return make_optimizer(schedule(cfg), b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
-                        clip_grad_norm=t.clip_grad_norm, weight_decay=t.weight_decay)
-
-
-def init_state(cfg: Config, rng: jax.Array) -> TrainState:
-  dummy = jnp.ones((1, 8), jnp.int32)
-  params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer(cfg).init(params))
-
-
 # --- the steps ----------------------------------------------------------------------------
 
-def _forward(cfg: Config, params, batch: dict, bos_id: int, train: bool, rng=None,
-             return_features: bool = False):
-  """Teacher forcing: logits for every target position from the right-shifted target."""
-  tgt_in = shift_right(batch["tgt"], bos_id, batch.get("tgt_segments"))
-  return Transformer(cfg.model).apply(
-      {"params": params}, batch["src"], tgt_in, batch.get("src_segments"),
+def loss_and_metrics(cfg: Config, params, batch: dict, bos_id: int, *, train: bool,
+                     rng=None, label_smoothing: float | None = None):
+  """The label-smoothed loss summed over non-pad targets, and the batch's sums
+  {"loss_sum", "tokens", "correct"}. Teacher forcing: the decoder reads the target shifted
+  right behind BOS and predicts every position at once."""
+  ls = cfg.train.label_smoothing if label_smoothing is None else label_smoothing
+  tgt_BxT = batch["tgt"]
+  tgt_in_BxT = shift_right(tgt_BxT, bos_id, batch.get("tgt_segments"))
+  ops = kernels.get(cfg.model.kernels)
+  logits_or_features = Transformer(cfg.model).apply(
+      {"params": params}, batch["src"], tgt_in_BxT, batch.get("src_segments"),
       batch.get("tgt_segments"), batch.get("src_positions"), batch.get("tgt_positions"),
       train=train, rngs=None if rng is None else {"dropout": rng},
-      return_features=return_features)
-
-
-def _loss_and_metrics(cfg, params, batch, bos_id, rng=None, train: bool = True):
-  """Summed label-smoothed loss over non-pad targets, and the metrics of the batch.
-
-  The output head, log-softmax, loss and argmax run as one fused op with a hand-written
-  gradient (`losses.head_cross_entropy`; equal to `cross_entropy(logits)` and `accuracy`).
-  """
-  y_BxTxD = _forward(cfg, params, batch, bos_id, train, rng, return_features=True)
-  loss_sum, correct, n = _head_loss(cfg, params, y_BxTxD, batch["tgt"],
-                                    cfg.train.label_smoothing)
+      return_features=ops.head_loss is not None)
+  if ops.head_loss is None:   # the logits, then the loss
+    loss_sum, n = cross_entropy(logits_or_features, tgt_BxT, ls)
+    correct, _ = accuracy(logits_or_features, tgt_BxT)
+  else:                       # the output head, loss and accuracy as one fused op
+    w, b, w_is_VxD = head_weights(cfg.model, params)
+    loss_sum, correct, n = ops.head_loss(
+        logits_or_features, w, b, tgt_BxT, (tgt_BxT != 0).astype(jnp.float32),
+        label_smoothing=ls, dtype=cfg.model.dtype, w_is_VxD=w_is_VxD)
   return loss_sum, {"loss_sum": loss_sum, "tokens": n, "correct": correct}
-
-
-def _head_loss(cfg, params, y_BxTxD, tgt_BxT, label_smoothing: float):
-  """(loss_sum, correct_sum, tokens) of the decoder output `y` through the output head."""
-  w, b, w_is_VxD = head_weights(cfg.model, params)
-  return head_cross_entropy(
-      y_BxTxD, w, b, tgt_BxT, (tgt_BxT != 0).astype(jnp.float32), label_smoothing,
-      cfg.model.dtype, w_is_VxD, head_chunks(*tgt_BxT.shape, cfg.model.vocab_size))
 
 
 def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> tuple:
@@ -102,7 +70,8 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> t
   its number of target tokens, so the result does not depend on how the batch is split
   across devices or micro-batches. A non-finite loss leaves the state unchanged."""
   rng = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
-  grad_fn = jax.grad(lambda p, b, r: _loss_and_metrics(cfg, p, b, bos_id, r), has_aux=True)
+  grad_fn = jax.grad(lambda p, b, r: loss_and_metrics(cfg, p, b, bos_id, train=True, rng=r),
+                     has_aux=True)
   k = cfg.train.grad_accum_steps
   if k == 1:
     grads, m = grad_fn(state.params, batch, rng)
@@ -149,11 +118,11 @@ def _accumulate(acc: dict | None, m: dict) -> dict:
 def eval_step(params, batch: dict, *, cfg: Config, bos_id: int) -> dict:
   """The train step's loss and accuracy without dropout, and the negative log-likelihood
   of the targets (no label smoothing: what a perplexity is of)."""
-  y_BxTxD = _forward(cfg, params, batch, bos_id, False, None, return_features=True)
-  ls = cfg.train.label_smoothing
-  loss_sum, correct, n = _head_loss(cfg, params, y_BxTxD, batch["tgt"], ls)
-  nll_sum = loss_sum if ls == 0 else _head_loss(cfg, params, y_BxTxD, batch["tgt"], 0.0)[0]
-  return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": n, "correct": correct}
+  _, m = loss_and_metrics(cfg, params, batch, bos_id, train=False)
+  nll_sum = m["loss_sum"]
+  if cfg.train.label_smoothing > 0:
+    nll_sum = loss_and_metrics(cfg, params, batch, bos_id, train=False, label_smoothing=0.0)[0]
+  return dict(m, nll_sum=nll_sum)
 
 
 class Trainer:
@@ -233,16 +202,17 @@ def evaluate_translations(cfg: Config, params, ds, split: str, max_examples: int
 
   A source longer than the model's max_len is cut to it, as the loss's batches cut it, and
   counted in metrics["truncated"]."""
-  from seq2seq import decoding
+  from seq2seq import search, translate
   if strategy is None:
-    strategy = (decoding.Beam(size=cfg.train.beam_size, alpha=cfg.train.length_penalty)
-                if cfg.train.decode_strategy == "beam" else decoding.Greedy())
+    t = cfg.train
+    strategy = (search.get_strategy("beam", beam_size=t.beam_size, alpha=t.length_penalty)
+                if t.decode_strategy == "beam" else search.get_strategy("greedy"))
   srcs, refs = [], []
   for b in ds.eval_batches(split, cfg.train.eval_batch_size, max_examples):
     valid = b["valid"]
     srcs += [s for s, v in zip(b["src_text"], valid) if v]
     refs += [t for t, v in zip(b["tgt_text"], valid) if v]
-  out = decoding.translate_nbest(params, cfg.model, ds.tokenizer, srcs, strategy,
+  out = translate.translate_nbest(params, cfg.model, ds.tokenizer, srcs, strategy,
                                  batch_size=cfg.train.eval_batch_size, truncate=True,
                                  skip_empty=False)
   hyps = [t[0] for t in out.texts]
@@ -344,8 +314,8 @@ def prepare_workdir(cfg: Config, workdir) -> Config:
                     f"decay on or off needs a new --workdir")
   for section in ("model", "data"):
     a, b = getattr(old, section), getattr(cfg, section)
-    if section == "model":  # the vocabulary size is derived from the data
-      b = b.replace(vocab_size=a.vocab_size)
+    if section == "model":  # the vocabulary size is derived from the data; the kernels
+      b = b.replace(vocab_size=a.vocab_size, kernels=a.kernels)  # compute the same model
     else:                   # a run stored before paths were made absolute
       a = a.with_absolute_paths()
     if a != b:
@@ -354,7 +324,8 @@ def prepare_workdir(cfg: Config, workdir) -> Config:
       raise UserError(f"workdir {workdir} holds a run with a different {section} config "
                       f"({'; '.join(diff[:3])}); resume without changing it or use a new "
                       f"--workdir")
-  return old.replace(data=old.data.with_absolute_paths(), train=cfg.train)
+  return old.replace(model=old.model.replace(kernels=cfg.model.kernels),
+                     data=old.data.with_absolute_paths(), train=cfg.train)
 
 
 def _optimizer_structure(cfg: Config):

@@ -55,15 +55,15 @@ def main():
   ]:
     loss, params = run(c, mesh_devs, shape)
     out[name] = {"loss": float(np.max(np.abs(loss - ref_loss))), "params": maxdiff(params, ref_params)}
-  # The head + loss over 3 slices of the target length (what `losses.head_chunks` picks for
-  # large batches on CPU), data-parallel over 8 devices == one piece on one device.
-  from seq2seq import train_lib
-  whole = train_lib.head_chunks
-  train_lib.head_chunks = lambda batch, length, vocab: 3
+  # The cpu kernels' head + loss over 3 slices of the target length (what `head_chunks`
+  # picks for large batches), data-parallel over 8 devices == one piece on one device.
+  from seq2seq.kernels import cpu_head
+  whole = cpu_head.head_chunks
+  cpu_head.head_chunks = lambda batch, length, vocab: 3
   try:
     loss, params = run(cfg, devs, "")
   finally:
-    train_lib.head_chunks = whole
+    cpu_head.head_chunks = whole
   out["data8_head3"] = {"loss": float(np.max(np.abs(loss - ref_loss))),
                         "params": maxdiff(params, ref_params)}
   # Gradient accumulation over 2 micro-batches == one big batch (without dropout, whose

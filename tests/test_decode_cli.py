@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import decode as decode_script  # noqa: E402
 
-from seq2seq import decoding  # noqa: E402
+from seq2seq import translate  # noqa: E402
+from seq2seq.errors import UserError  # noqa: E402
+from seq2seq.search import Beam, Greedy, Sample  # noqa: E402
 from seq2seq.checkpoint import load_workdir  # noqa: E402
 
 MAX_LEN = 64
@@ -83,7 +85,7 @@ def test_sentences_translate_like_the_library_in_order(workdir, model, capsys):
   sentences = ["one hundred", "seven", "two hundred and twelve", "forty-one"]
   code, out, err = run(capsys, "--workdir", workdir, "--beam-size", 1, *sentences)
   assert code == 0, err
-  want = decoding.translate(params, cfg.model, tok, sentences, decoding.Greedy())
+  want = translate.translate(params, cfg.model, tok, sentences, Greedy())
   assert out.split("\n") == want + [""]
   assert "tokens/s" in err.strip().splitlines()[-1]
 
@@ -102,8 +104,8 @@ def test_default_is_beam_4_and_input_file_keeps_order_empty_lines_and_unseen_cha
   # the unseen characters are spelt with byte pieces, never UNK, and do not crash
   assert tok.unk_id not in tok.encode(UNSEEN)
   assert tok.decode(tok.encode(UNSEEN)) == UNSEEN
-  want = decoding.translate(params, cfg.model, tok, [l for l in lines if l.strip()],
-                            decoding.Beam(size=4, alpha=0.6))
+  want = translate.translate(params, cfg.model, tok, [l for l in lines if l.strip()],
+                            Beam(size=4, alpha=0.6))
   assert [g for g, l in zip(got, lines) if l.strip()] == want
   assert "6/6" in err                                   # the progress bar
   assert "6 lines" in err and "tokens/s" in err
@@ -119,8 +121,8 @@ def test_nbest_prints_index_score_translation(workdir, model, capsys):
   assert all(len(r) == 3 for r in rows)
   assert [int(r[0]) for r in rows] == [0, 0, 0, 1, 2, 2, 2]
   assert rows[3][1:] == ["0.0000", ""]                  # the empty input: one line
-  want = decoding.translate_nbest(params, cfg.model, tok, sentences,
-                                  decoding.Beam(size=4, alpha=1.0, n_best=3))
+  want = translate.translate_nbest(params, cfg.model, tok, sentences,
+                                  Beam(size=4, alpha=1.0, n_best=3))
   for i, group in ((0, rows[0:3]), (2, rows[4:7])):
     scores = [float(r[1]) for r in group]
     assert scores == sorted(scores, reverse=True)
@@ -473,3 +475,28 @@ def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir
   assert hit and second == first
   for off in ("off", "/proc/no/such/dir"):   # off, or a directory that cannot be made
     assert decode(dict(env, SEQ2SEQ_COMPILE_CACHE=off)) == (first, False)
+
+
+@pytest.mark.parametrize("flags, want", [
+    (dict(), Beam(4, 0.6, 1)),
+    (dict(beam_size=8, alpha=1.0, n_best=3), Beam(8, 1.0, 3)),
+    (dict(beam_size=1), Greedy()),
+    (dict(top_k=5), Sample(1.0, 5, 1.0)),
+    (dict(temperature=0.7, top_p=0.9, beam_size=1), Sample(0.7, 0, 0.9)),
+    (dict(top_k=5, beam_size=4), "cannot be used with beam search"),
+    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(temperature=-1.0), "temperature must be > 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=0.9, n_best=2), "n_best cannot be used with sample"),
+    (dict(beam_size=1, alpha=0.6), "alpha cannot be used with greedy"),
+    (dict(n_best=5), r"n_best must be an integer in \[1, beam size 4\]"),
+    (dict(beam_size=0), "beam size must be"),
+])
+def test_strategy_from_flags(flags, want):
+  if isinstance(want, str):
+    with pytest.raises(UserError, match=want) as e:
+      decode_script.strategy_from_flags(**flags)
+    assert "\n" not in str(e.value)
+  else:
+    assert decode_script.strategy_from_flags(**flags) == want

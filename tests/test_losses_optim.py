@@ -175,58 +175,10 @@ def test_tiny_model_learns_to_reverse_sequences():
   assert accs[0] < 0.5  # it really had to learn
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-@pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("tied", [True, False])
-def test_fused_head_loss_equals_logits_then_cross_entropy(eps, tied, chunks):
-  """The train step's fused head+loss+accuracy (gradient computed in its forward pass, in
-  one piece or over 3 slices of the target length) == the readable path (logits, then
-  cross_entropy/accuracy, autodiff): values and all gradients, jitted, with an incoming
-  gradient other than 1."""
-  from seq2seq.losses import head_cross_entropy
-  ks = jax.random.split(jax.random.key(0), 4)
-  B, T, D, V = 5, 9, 16, 61
-  y = jax.random.normal(ks[0], (B, T, D))
-  w = jax.random.normal(ks[1], (V, D) if tied else (D, V))
-  b = None if tied else jax.random.normal(ks[2], (V,))
-  t = jax.random.randint(ks[3], (B, T), 0, V)          # some 0s: padding
-  t = t.at[0, :7].set(jnp.argmax(y[0, :7] @ (w.T if tied else w) + (0 if b is None else b), -1))
-
-  def readable(y, w, b):
-    logits = y @ (w.T if tied else w) + (0 if b is None else b)
-    s, n = cross_entropy(logits, t, eps)
-    return 0.37 * s, (accuracy(logits, t)[0], n)
-
-  def fused(y, w, b):
-    s, c, n = head_cross_entropy(y, w, b, t, (t != 0).astype(jnp.float32), eps, "float32",
-                                 tied, chunks)
-    return 0.37 * s, (c, n)
-
-  argnums = (0, 1) if tied else (0, 1, 2)
-  (s1, (c1, n1)), g1 = jax.value_and_grad(readable, argnums, has_aux=True)(y, w, b)
-  (s2, (c2, n2)), g2 = jax.jit(jax.value_and_grad(fused, argnums, has_aux=True))(y, w, b)
-  np.testing.assert_allclose(s2, s1, rtol=1e-6)
-  np.testing.assert_allclose(jax.jit(fused)(y, w, b)[0], s1, rtol=1e-6)  # no-gradient path
-  assert float(c2) == float(c1) >= 6 and float(n2) == float(n1) == float((t != 0).sum())
-  for a, b_ in zip(g2, g1):
-    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=2e-6)
-    assert float(jnp.abs(b_).sum()) > 0
-
-
-def test_head_chunks_keep_slices_cache_sized_and_large():
-  """small's head runs in 4 slices of 512 rows whose logits fit 20 MB; base's cannot keep
-  512 rows under 20 MB, so it stays whole; a length with no fitting divisor stays whole."""
-  from seq2seq.losses import head_chunks
-  assert head_chunks(32, 64, 8000) == 4
-  assert head_chunks(16, 64, 32000) == 1
-  assert head_chunks(32, 16, 8000) == 1       # 512 rows, 16 MB: one piece already fits
-  assert head_chunks(64, 31, 8000) == 1       # 31 is prime: 1 or 31 slices (64 rows)
-
-
 @pytest.mark.parametrize("variant", [dict(), dict(tie_output=False),
                                      dict(share_embeddings=False, tie_output=True)])
 def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
-  """The train/eval step's fused loss (`model.head_weights` + `head_cross_entropy`) equals
+  """The train/eval step's loss (on CPU the fused head + loss of kernels/cpu_head.py) equals
   logits from `model.apply` followed by `cross_entropy` / `accuracy`, for the tied head, an
   untied head with bias, and a tied head with unshared embeddings; the evaluation's NLL
   equals NumPy's."""
@@ -272,7 +224,7 @@ def test_train_step_applies_adam_when_finite_and_skips_a_nonfinite_step():
   step = jax.jit(lambda s, b: train_lib.train_step(s, b, cfg=cfg, bos_id=1))
 
   new, m = step(state, batch)
-  grads = jax.grad(lambda p: train_lib._loss_and_metrics(cfg, p, batch, 1)[0])(state.params)
+  grads = jax.grad(lambda p: train_lib.loss_and_metrics(cfg, p, batch, 1, train=True)[0])(state.params)
   grads = jax.tree_util.tree_map(lambda g: g / m["tokens"], grads)
   upd, opt = train_lib.optimizer(cfg).update(grads, state.opt_state, state.params)
   assert int(new.step) == 1 and int(m["first_bad_step"]) == train_lib._NO_STEP

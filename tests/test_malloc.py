@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from seq2seq import malloc
+from seq2seq.kernels import malloc
 
 # A jitted function whose temporaries (two [4096, 4096] f32 products, 64 MiB each) are far
 # above glibc's mmap threshold; prints the minor page faults per warm call.
 PROBE = """
 import json, resource, sys
-from seq2seq import malloc
+from seq2seq.kernels import malloc
 assert malloc.keep_freed_memory() == (sys.argv[1] == "tuned")
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w.T).sum())
@@ -54,7 +54,7 @@ def test_keep_freed_memory_makes_xla_reuse_its_temporary_memory():
 # (runtime warmed up, heap trimmed), after them, and after the release.
 RELEASE_PROBE = """
 import json
-from seq2seq import malloc
+from seq2seq.kernels import malloc
 assert malloc.keep_freed_memory()
 import jax, jax.numpy as jnp
 def rss_mib():

@@ -26,6 +26,7 @@ import re
 
 import tensorflow_datasets as tfds
 
+from seq2seq import textio
 from seq2seq.errors import UserError
 
 _VALIDATION_NAMES = ("validation", "valid", "dev")
@@ -83,22 +84,10 @@ def read_lines(path: str) -> list[str]:
     raise UserError(f"parallel_text: no such file: {path}")
   if os.path.isdir(path):
     raise UserError(f"parallel_text: {path} is a directory, expected a text file")
-  with open(path, "rb") as f:
-    data = f.read()
-  try:
-    text = data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    line = data.count(b"\n", 0, e.start) + 1
-    raise UserError(f"parallel_text: {path} line {line}: invalid UTF-8 "
-                    f"(byte 0x{data[e.start]:02x})") from None
-  if not text.strip():
+  lines = textio.read_lines(path)
+  if not any(line.strip() for line in lines):
     raise UserError(f"parallel_text: {path} is empty")
-  if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the first line
-    text = text[1:]
-  lines = text.split("\n")
-  if lines[-1] == "":
-    lines.pop()
-  return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+  return lines
 
 
 def read_pairs(files: SplitFiles) -> tuple[list[str], list[str]]:

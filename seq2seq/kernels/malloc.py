@@ -1,27 +1,22 @@
 """glibc malloc settings for training: XLA:CPU reuses its per-step memory instead of having
 the kernel fault it in afresh at every step.
 
-XLA:CPU allocates a program's temporary buffer (368 MiB for a `small` train step) with
-malloc on a worker thread at every run, and frees it after. glibc serves a request that
-large with a fresh mmap (a worker thread's arena cannot hold it) and unmaps it on free, so
-at every step the kernel faults in and zeroes every page again: ~100k page faults and
-~190 ms of system time per `small` f32 train step on machine A. With one arena, no mmap
-and no trimming, the buffer comes from the main heap and the next step reuses it: no
-faults, and the step 1.1-1.2x faster (`python train.py`'s small default model: 1.6x).
-The price: memory freed stays with the process, and threads share one arena's lock, which
-makes decoding, with its many small allocations per step, 2-15% slower. So train.py (and
+XLA:CPU allocates a program's temporary buffer (hundreds of MB for a `small` train step)
+with malloc on a worker thread at every run, and frees it after. glibc serves a request that
+large with a fresh mmap and unmaps it on free, so at every step the kernel faults in and
+zeroes every page again. With one arena, no mmap and no trimming, the buffer comes from the
+main heap and the next step reuses it: train steps 1.1-1.2x faster (docs/performance.md).
+The price: freed memory stays with the process, and threads share one arena's lock, which
+makes decoding, with its many small allocations per step, a little slower. So train.py (and
 the training benches) call `keep_freed_memory()`; decode.py and `import seq2seq` do not.
 One-off work (compiling, an evaluation's decoding) would leave its memory in the heap for
 the rest of the run, so the training loop calls `release_freed_memory()` after its first
-step and around each evaluation. Even so a run holds more: the README's Bible run trains
-at 2.4-2.7 GB resident with peaks of 3.0-3.4 GB, against 1.3-1.7 GB and 1.8 GB with glibc's
-defaults (docs/performance.md, session 22). Untested on GPU/TPU hosts, where XLA's buffers
-live on the device and only the lock is left: set SEQ2SEQ_MALLOC=default there if host
-threads (the input pipeline) slow down.
+step and around each evaluation. On GPU/TPU hosts XLA's buffers live on the device and only
+the lock is left: set SEQ2SEQ_MALLOC=default there if host threads slow down.
 
-Call it before JAX starts its threads: a thread keeps the arena it first used, so once JAX
-has run it changes nothing. It does nothing off glibc, if the environment already tunes
-malloc (`GLIBC_TUNABLES`, any `MALLOC_*`), or with SEQ2SEQ_MALLOC=default.
+Call it before JAX starts its threads: a thread keeps the arena it first used. It does
+nothing off glibc, if the environment already tunes malloc (`GLIBC_TUNABLES`, any
+`MALLOC_*`), or with SEQ2SEQ_MALLOC=default.
 """
 from __future__ import annotations
 

@@ -1,0 +1,44 @@
+"""The training state and what builds it: what the trainer and the checkpoints both need."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from seq2seq.config import Config
+from seq2seq.model import Transformer
+from seq2seq.optim import make_optimizer, warmup_rsqrt_schedule
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array          # number of updates applied so far
+  params: Any
+  opt_state: Any
+
+
+def schedule(cfg: Config) -> Callable:
+  t = cfg.train
+  return warmup_rsqrt_schedule(cfg.model.d_model, t.warmup_steps, t.learning_rate_scale,
+                               t.cooldown_steps, t.steps)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+  t = cfg.train
+  return make_optimizer(schedule(cfg), b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
+                        clip_grad_norm=t.clip_grad_norm, weight_decay=t.weight_decay)
+
+
+def init_state(cfg: Config, rng: jax.Array) -> TrainState:
+  dummy = jnp.ones((1, 8), jnp.int32)
+  params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer(cfg).init(params))
+
+
+def abstract_state(cfg: Config) -> TrainState:
+  """Shapes and dtypes of the TrainState of `cfg` (nothing is computed)."""
+  return jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))

@@ -1,0 +1,164 @@
+"""Strings in, strings out: the translation API over `decoding.decode`.
+
+    cfg, params, tokenizer = load_workdir("runs/default")     # seq2seq.checkpoint
+    translate(params, cfg.model, tokenizer, ["twelve", "forty-two"], Beam())
+
+`translate` gives the best translation of each sentence; `translate_nbest` every hypothesis
+with its score (cutting over-long sources, skipping empty ones); `translate_chunks` the same
+chunk by chunk, for output written as it comes. A single string is one sentence.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from seq2seq.config import TransformerConfig
+from seq2seq.decoding import _variables, as_key, decode, decode_params
+from seq2seq.search import Beam, Greedy, Sample, Strategy, _check, _is_int
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _sentences(sentences) -> Sequence[str]:
+  """A str is one sentence; otherwise every item must be a str."""
+  if isinstance(sentences, str):
+    return [sentences]
+  sentences = list(sentences)
+  bad = [s for s in sentences if not isinstance(s, str)][:1]
+  _check(not bad, f"sentences must be strings, got {type(bad[0]).__name__} {bad[0]!r:.40}"
+         if bad else "")
+  return sentences
+
+
+class Translations(NamedTuple):
+  """What `translate_nbest` returns, in input order.
+
+  texts       [sentence][hypothesis] strings, best first: n_best of them for beam search
+              (fewer only if the beam held fewer), one for greedy and sampling.
+  scores      the same shape: DecodeResult.scores (log-probability; for beam search divided
+              by the length penalty). A skipped empty sentence has [""] and [0.0].
+  num_tokens  tokens generated over all returned hypotheses, EOS included.
+  truncated   indices of the sentences whose source was cut to config.max_len tokens.
+  """
+  texts: list[list[str]]
+  scores: list[list[float]]
+  num_tokens: int
+  truncated: list[int]
+
+
+def encode_sources(tokenizer, sentences: Sequence[str], max_len: int, *,
+                   truncate: bool = True) -> tuple[list[list[int]], list[int]]:
+  """(sources, truncated): `tokenizer.encode(s) + [eos]` per sentence, and the indices of
+  those longer than `max_len` tokens, which are cut to max_len with EOS kept as the last
+  token (truncate=True) or raise UserError (truncate=False)."""
+  eos = int(tokenizer.eos_id)
+  srcs, truncated = [], []
+  for i, sentence in enumerate(sentences):
+    ids = list(tokenizer.encode(sentence)) + [eos]
+    if len(ids) > max_len:
+      _check(truncate, f"sentence {i} has {len(ids)} tokens (EOS included); the model reads "
+             f"at most {max_len}")
+      ids = ids[:max_len - 1] + [eos]
+      truncated.append(i)
+    srcs.append(ids)
+  return srcs, truncated
+
+
+def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
+                    strategy: Strategy = Greedy(), *, batch_size: int = 64,
+                    length_multiple: int = 16, max_len: int | None = None, rng=None,
+                    truncate: bool = True, skip_empty: bool = True,
+                    progress: Callable[[int], Any] | None = None) -> Translations:
+  """Translates `sentences`: every hypothesis (n_best for beam search) with its score.
+
+  Sources are `tokenizer.encode(s) + [eos]`. Sentences are sorted by length and batched;
+  each batch is padded to a multiple of `length_multiple` tokens and to a power-of-two
+  number of rows (at most batch_size), so few shapes are compiled and reused. Batch `n`
+  decodes with `fold_in(rng, n)`.
+
+  truncate: a source longer than config.max_len is cut to it (EOS kept) and listed in
+    `truncated`; False raises UserError instead.
+  skip_empty: a sentence with no tokens (empty or blank) translates to "" with score 0
+    without running the model; False decodes it as the source [eos].
+  progress: called with the number of sentences finished after each batch.
+  """
+  _check(isinstance(strategy, (Greedy, Sample, Beam)),
+         f"strategy must be Greedy(), Sample(...) or Beam(...), got {strategy!r}")
+  _check(_is_int(batch_size) and batch_size >= 1, f"batch_size must be >= 1, got {batch_size!r}")
+  _check(max_len is None or (_is_int(max_len) and 1 <= max_len <= cfg.max_len),
+         f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
+  pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
+  sentences = _sentences(sentences)
+  srcs, truncated = encode_sources(tokenizer, sentences, cfg.max_len, truncate=truncate)
+  texts: list[list[str]] = [[""] for _ in srcs]
+  scores: list[list[float]] = [[0.0] for _ in srcs]
+  todo = [i for i, s in enumerate(srcs) if not (skip_empty and len(s) == 1)]
+  if progress is not None and len(todo) < len(srcs):
+    progress(len(srcs) - len(todo))
+  order = sorted(todo, key=lambda i: len(srcs[i]))
+  key = as_key(rng)
+  params = decode_params(cfg, _variables(params))   # once, not per batch
+  num_tokens = 0
+  for n, start in enumerate(range(0, len(order), batch_size)):
+    idx = order[start:start + batch_size]
+    rows = min(batch_size, 1 << (len(idx) - 1).bit_length())
+    width = min(_round_up(max(len(srcs[i]) for i in idx), length_multiple), cfg.max_len)
+    src = np.full((rows, width), pad, np.int32)
+    src[len(idx):, 0] = eos                     # filler rows: an empty sentence
+    for r, i in enumerate(idx):
+      src[r, :len(srcs[i])] = srcs[i]
+    res = decode(cfg, params, src, strategy, bos_id=int(tokenizer.bos_id), eos_id=eos,
+                 pad_id=pad, max_len=max_len, rng=jax.random.fold_in(key, n))
+    hyps = [res.token_lists(eos, j) for j in range(res.tokens.shape[1])]
+    for r, i in enumerate(idx):
+      # An empty beam slot (score -inf) is dropped; the best hypothesis is always kept.
+      keep = [j for j in range(len(hyps)) if j == 0 or res.scores[r, j] > -np.inf]
+      texts[i] = [tokenizer.decode(hyps[j][r]) for j in keep]
+      scores[i] = [float(res.scores[r, j]) for j in keep]
+      num_tokens += int(sum(res.lengths[r, j] for j in keep))
+    if progress is not None:
+      progress(len(idx))
+  return Translations(texts, scores, num_tokens, truncated)
+
+
+def translate_chunks(params, cfg: TransformerConfig, tokenizer, sentences: Iterable[str],
+                     strategy: Strategy = Greedy(), *, chunk_size: int = 2048, rng=None,
+                     **kwargs) -> Iterator[tuple[int, Translations]]:
+  """`translate_nbest` over consecutive chunks of `chunk_size` sentences: yields (index of
+  the chunk's first sentence, its Translations) as each chunk is done, so a caller can write
+  results while the rest decode (and keep them if interrupted). `sentences` may be any
+  iterable, read lazily one chunk at a time (chunk_size 1 translates each line as it is
+  typed). Sorting by length happens within a chunk; `truncated` holds global indices.
+  Chunk k decodes with `fold_in(rng, k)`. kwargs go to `translate_nbest`."""
+  _check(_is_int(chunk_size) and chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size!r}")
+  key = as_key(rng)
+  params = decode_params(cfg, _variables(params))   # once, not per chunk
+  lines, offset = iter([sentences] if isinstance(sentences, str) else sentences), 0
+  for k in itertools.count():
+    chunk = _sentences(list(itertools.islice(lines, chunk_size)))
+    if not chunk:
+      return
+    out = translate_nbest(params, cfg, tokenizer, chunk, strategy,
+                          rng=jax.random.fold_in(key, k), **kwargs)
+    yield offset, out._replace(truncated=[offset + i for i in out.truncated])
+    offset += len(chunk)
+
+
+def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
+              strategy: Strategy = Greedy(), *, batch_size: int = 64, length_multiple: int = 16,
+              max_len: int | None = None, rng=None) -> list[str]:
+  """Translates `sentences`, returning the best hypothesis of each, in input order.
+
+  Sources are `tokenizer.encode(s) + [eos]`; one longer than config.max_len raises
+  UserError, and an empty sentence is decoded like any other (`translate_nbest` with
+  truncate=False, skip_empty=False; see it for the batching).
+  """
+  out = translate_nbest(params, cfg, tokenizer, sentences, strategy, batch_size=batch_size,
+                        length_multiple=length_multiple, max_len=max_len, rng=rng,
+                        truncate=False, skip_empty=False)
+  return [t[0] for t in out.texts]
