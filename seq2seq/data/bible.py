@@ -107,19 +107,21 @@ def read_verses(db_path: str) -> dict[str, Verses]:
   try:
     with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
       columns = {row[1] for row in db.execute("PRAGMA table_info(bible)")}
-      if not set(COLUMNS) <= columns:
-        raise UserError(f"{db_path} has no table bible({', '.join(COLUMNS)}): not "
-                        f"{PACKAGE}'s bible.db")
-      verses = {ENGLISH: {}, FRENCH: {}}
-      rows = db.execute("SELECT bbName, bNumber, cNumber, vNumber, vText FROM bible "
-                        "WHERE bbName IN (?, ?)", (ENGLISH, FRENCH))
-      for translation, book, chapter, verse, text in rows:
-        verses[translation][(int(book), int(chapter), int(verse))] = text or ""
+      rows = []
+      if set(COLUMNS) <= columns:
+        rows = db.execute("SELECT bbName, bNumber, cNumber, vNumber, vText FROM bible WHERE "
+                          "bbName IN (?, ?)", (ENGLISH, FRENCH)).fetchall()
   except sqlite3.DatabaseError as e:
     raise UserError(f"{db_path} is not a readable SQLite database ({e})") from None
-  except (TypeError, ValueError):  # a book, chapter or verse number that is not a number
-    raise UserError(f"{db_path}: table bible holds non-numeric verse references: not "
-                    f"{PACKAGE}'s bible.db") from None
+  if not set(COLUMNS) <= columns:
+    raise UserError(f"{db_path} has no table bible({', '.join(COLUMNS)}): not "
+                    f"{PACKAGE}'s bible.db")
+  verses = {ENGLISH: {}, FRENCH: {}}
+  for translation, *ref, text in rows:
+    if not all(isinstance(n, int) for n in ref):
+      raise UserError(f"{db_path}: table bible holds a verse reference that is not a "
+                      f"number ({ref}): not {PACKAGE}'s bible.db")
+    verses[translation][tuple(ref)] = text or ""
   for translation, found in verses.items():
     if not found:
       raise UserError(f"{db_path} has no verses of translation {translation!r} "
@@ -228,8 +230,9 @@ def matches_project_corpus(output_dir: str) -> bool:
   return True
 
 
-def build(output_dir: str, db: str | None = None) -> dict[str, int]:
-  """Writes the corpus into output_dir (new or empty); returns split -> number of pairs."""
+def build(output_dir: str, db: str | None = None) -> tuple[dict[str, int], str]:
+  """Writes the corpus into output_dir (new or empty); returns split -> number of pairs, and
+  where the texts were read."""
   check_output_dir(output_dir)
   with tempfile.TemporaryDirectory(prefix="seq2seq-bible-") as tmp:
     where = db
@@ -237,7 +240,6 @@ def build(output_dir: str, db: str | None = None) -> dict[str, int]:
       db = where = installed_db()
       if db is None:
         db, where = download_db(tmp), f"{PACKAGE} {VERSION}'s bible.db"
-    print(f"reading {NAMES[ENGLISH]} and {NAMES[FRENCH]} from {where}", file=sys.stderr)
     verses = read_verses(db)
   splits, skipped = pair_verses(verses[ENGLISH], verses[FRENCH])
   if skipped:
@@ -246,7 +248,7 @@ def build(output_dir: str, db: str | None = None) -> dict[str, int]:
     raise UserError(f"{where} gives no training pair (every verse is in Acts, Hebrews, Romans "
                     f"or James, or lacks a translation)")
   write_splits(splits, output_dir)
-  return {split: len(pairs) for split, pairs in splits.items()}
+  return {split: len(pairs) for split, pairs in splits.items()}, where
 
 
 def main(argv=None) -> int:
@@ -259,7 +261,7 @@ def main(argv=None) -> int:
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   start = time.perf_counter()
   try:
-    counts = build(args.output_dir, args.db)
+    counts, where = build(args.output_dir, args.db)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -271,7 +273,8 @@ def main(argv=None) -> int:
     print("interrupted: nothing written", file=sys.stderr)
     return 130
   print(", ".join(f"{split} {n:,} pairs" for split, n in counts.items()) +
-        f" -> {args.output_dir} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+        f" from {where} -> {args.output_dir} ({time.perf_counter() - start:.1f} s)",
+        file=sys.stderr)
   if matches_project_corpus(args.output_dir):
     print("identical to the corpus of the project's runs (SHA-256 checked)", file=sys.stderr)
   else:
