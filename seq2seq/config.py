@@ -268,10 +268,10 @@ def get_experiment(name: str = "numbers") -> Config:
                           cooldown_steps=100, eval_every=100, checkpoint_every=100, log_every=25,
                           eval_batch_size=256, num_eval_examples=200))
   if name == "small_cpu":
+    # python -m seq2seq.data.bible data/bible    # the Bible corpus (seq2seq/data/bible.py)
     # python train.py --workdir runs/bible --config small_cpu \
-    #     --train_files ../shared/corpora/bible_web_lsg/train \
-    #     --validation_files ../shared/corpora/bible_web_lsg/validation \
-    #     --test_files ../shared/corpora/bible_web_lsg/test  [--config.model.dtype=bfloat16]
+    #     --train_files data/bible/train --validation_files data/bible/validation \
+    #     --test_files data/bible/test  [--config.model.dtype=bfloat16]
     # The `small` model on your own parallel text (~30k pairs) in about half an hour on 2
     # CPU cores. On the Bible (27,484 en→fr verse pairs of <= 64 tokens), bf16, 2 cores of
     # an AVX512-BF16 CPU: 31 min in all, test BLEU 17.5, chrF 40.2 (greedy; 18.8 / 41.2
