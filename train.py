@@ -1,9 +1,9 @@
 """Train a Transformer. `python train.py` trains the default model on the embedded
 English→French numbers task; see `python train.py --help` for everything else.
 
+  python -m seq2seq.data.bible data/bible        # the Bible, English -> French
   python train.py --workdir runs/bible --config small_cpu \\
-      --train_files ../shared/corpora/bible_web_lsg/train \\
-      --validation_files ../shared/corpora/bible_web_lsg/validation --tgt_lang fr
+      --train_files data/bible/train --validation_files data/bible/validation --tgt_lang fr
   python train.py --config base --dataset wmt14_translate/de-en --config.train.steps=100000
 """
 import argparse
