@@ -10,6 +10,8 @@ _WHERE = {
     "Transformer": "model", "init_cache": "model", "count_params": "model",
     "shift_right": "losses", "cross_entropy": "losses", "accuracy": "losses",
     "warmup_rsqrt_schedule": "optim", "make_optimizer": "optim",
+    "Greedy": "search", "Sample": "search", "Beam": "search", "decode": "decoding",
+    "load_workdir": "checkpoint",
 }
 __all__ = list(_WHERE)
 __version__ = "0.1.0"
