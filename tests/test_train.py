@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import train as train_script  # noqa: E402
 
 from seq2seq import checkpoint as ckpt_lib  # noqa: E402
+from seq2seq import state as state_lib  # noqa: E402
 from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
 
 
@@ -203,7 +204,7 @@ def test_broken_latest_checkpoint_falls_back_with_warning(trained, tmp_path):
     if f.is_file():
       f.write_bytes(b"garbage")
   before = tree_hash(workdir / "checkpoints" / "30")
-  abstract = ckpt_lib.abstract_state(ckpt_lib.read_config(workdir))
+  abstract = state_lib.abstract_state(ckpt_lib.read_config(workdir))
   reader = ckpt_lib.Checkpoints(workdir, read_only=True)     # decode.py: skips, moves nothing
   with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*30: "):
     assert reader.restore(abstract)[1]["step"] == 20
@@ -422,7 +423,7 @@ def test_a_checkpoint_of_another_optimizer_is_an_error_not_debris(trained, tmp_p
   cfg = ckpt_lib.read_config(workdir)
   other = cfg.replace(train=cfg.train.replace(weight_decay=0.1))
   with pytest.raises(ckpt_lib.UserError, match="another structure than this run's"):
-    ckpt_lib.Checkpoints(workdir).restore(ckpt_lib.abstract_state(other))
+    ckpt_lib.Checkpoints(workdir).restore(state_lib.abstract_state(other))
   assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
   assert not (workdir / ckpt_lib.UNREADABLE_DIR).exists()
 
