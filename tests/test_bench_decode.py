@@ -77,6 +77,7 @@ def test_roofline_limit_is_the_slower_of_compute_and_memory():
   assert r["fraction_of_peak"] == pytest.approx(CACHE_LEN * 3.0 / 2.0)
 
 
+@pytest.mark.slow
 def test_compile_times_are_from_scratch_with_a_persistent_cache_configured(tmp_path):
   # JAX_COMPILATION_CACHE_DIR turns JAX's disk cache on in any process: a second run would
   # then report loading a program from disk as its compile time.
