@@ -5,9 +5,9 @@
 
 Workloads (those of the project's speed targets): `small` = get_config('small',
 vocab_size=8000) at batch 32 x 64; `base` = get_config('base', vocab_size=32000) at batch
-16 x 64 (source and target length 64). Shared embeddings and tied output head, dropout 0.1 (residual, embeddings and FFN
-hidden units), label smoothing 0.1, Adam (`seq2seq.train_lib.Trainer`, one device,
-pack=False). Batches are random tokens with a random length per row in [47, 64] (EOS last,
+16 x 64 (source and target length 64). Shared embeddings and tied output head, dropout 0.1
+(residual, embeddings and FFN hidden units), label smoothing 0.1, Adam
+(`seq2seq.train_lib.Trainer`, one device, pack=False). Batches are random tokens with a random length per row in [47, 64] (EOS last,
 then padding id 0): ~13% padding.
 
 Modes: `float32` and `bfloat16` (model dtype="bfloat16": matmul inputs bf16, f32
