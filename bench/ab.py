@@ -1,11 +1,11 @@
 """A change's speed, judged in one process: an older commit against the working tree.
 
-    python bench/ab.py HEAD train --preset small --dtype bfloat16            # ~1.5 min on A
-    python bench/ab.py 4e0e254 decode --preset small --strategy beam4 --dtype bfloat16
+    python bench/ab.py HEAD train --preset small --dtype bfloat16            # ~1.5 min
+    python bench/ab.py main decode --preset small --strategy beam4 --dtype bfloat16
 
-A's speed drops by about a fifth for seconds at a time, whatever runs on it
-(docs/performance.md, "Why A's figures move"), so two benchmark processes run one after
-the other can differ by more than the change being judged. Here both versions live in one
+A shared VM slows by about a fifth for seconds at a time, whatever runs on it
+(docs/performance.md, "How to measure"), so two benchmark processes run one after the
+other can differ by more than the change being judged. Here both versions live in one
 process: the commit's `seq2seq/` (exported with `git archive`, its imports renamed to
 `seq2seq_old`) beside the working tree's `seq2seq`, each with its own jitted train step
 (bench_train.py's workload) or decode call (bench_decode.py's, cached, 64 new tokens). Each

@@ -3,10 +3,11 @@
     python bench/bench_decode.py                      # everything (several minutes on CPU)
     python bench/bench_decode.py --models small --modes cached
 
-Workloads (issue 5): random params, random sources of 32 tokens, 64 new tokens per row (EOS
-is forbidden before the 64th token via min_len, so every row decodes exactly 64 tokens);
-`small` = get_config('small', vocab_size=8000) at batch 16, `base` = get_config('base',
-vocab_size=32000) at batch 8. Strategies: greedy and beam search of 4 (alpha 0.6).
+Workloads (those of the project's speed targets): random params, random sources of 32
+tokens, 64 new tokens per row (EOS is forbidden before the 64th token via min_len, so every
+row decodes exactly 64 tokens); `small` = get_config('small', vocab_size=8000) at batch 16,
+`base` = get_config('base', vocab_size=32000) at batch 8. Strategies: greedy and beam
+search of 4 (alpha 0.6).
 
 Modes: `cached` is `decoding.decode` as users call it (KV cache, cross-attention keys and
 values projected once), given weights already in the compute dtype
@@ -59,11 +60,11 @@ from seq2seq.config import get_config
 from seq2seq.kernels import cpu as cpu_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import matmul_peak, timed_calls  # noqa: E402
+from bench_train import cpu_name, matmul_peak, timed_calls  # noqa: E402
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
 STRATEGIES = {"greedy": search.Greedy(), "beam4": search.Beam(size=4, alpha=0.6)}
-# Targets for later optimisation (issue 5), cached tokens/s on the reference CPU.
+# The project's speed targets, cached tokens/s (docs/performance.md, "The targets").
 TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
 TARGET_SPEEDUP = 8.0      # cached >= 8x recomputation, small greedy, 64 new tokens
@@ -200,9 +201,9 @@ def main(argv=None):
           f"{'GFLOP/s':>8s} {'% peak':>6s} {'GB/s':>5s} {'limit':>6s} {'% limit':>7s} "
           f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s}")
   print(f"\nDecode speed: src_len {args.src_len}, {args.new_tokens} new tokens, "
-        f"dtype {args.dtype}, jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"XLA options of the f32 loop {cpu_kernels.decode_compiler_options(get_config('small')) or 'default'}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n"
+        f"dtype {args.dtype}, jax {jax.__version__}, {cpu_name()}, XLA options of the f32 "
+        f"loop {cpu_kernels.decode_compiler_options(get_config('small')) or 'default'}, "
+        f"load average {os.getloadavg()[0]:.1f}\n"
         f"Measured in this run: matmul peak {peak['flops_per_s'] / 1e9:.0f} GFLOP/s "
         f"({args.dtype}, {peak['n']}^3), read bandwidth "
         f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (sum over {bandwidth['mbytes']} MB); "
@@ -237,7 +238,7 @@ def main(argv=None):
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, device=jax.devices()[0].device_kind,
-              cpu_count=os.cpu_count(), machine=platform.machine(),
+              cpu_count=os.cpu_count(), machine=platform.machine(), cpu=cpu_name(),
               load_avg=os.getloadavg(), args=vars(args),
               cpu_f32_decode_options=cpu_kernels.decode_compiler_options(get_config("small")),
               matmul_peak=peak, read_bandwidth=bandwidth, cost_formula=COST_FORMULA)

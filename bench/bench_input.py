@@ -1,6 +1,7 @@
 """Input pipeline speed against the train step it feeds.
 
     python bench/bench_input.py                       # numbers task + the Bible corpus
+    python bench/bench_input.py --bible DIR           # the Bible corpus elsewhere
     python bench/bench_input.py --datasets numbers --seconds 2
 
 For each dataset: the one-time costs ("tfds s": building the TFDS data, on the first run
@@ -12,8 +13,8 @@ resuming far into training (`train_batches(10**6)`: plan one epoch, then assembl
 
 The consumer: train.py's jitted train step (`Trainer.step`: forward + backward + Adam,
 label-smoothed cross-entropy) of `get_config('small', vocab_size=8000)` on a [32, 64]
-packed batch. The requirement (issue 3): batches/s >= 20 x train steps/s. Prints a table and
-writes JSON to bench/results/input.json.
+packed batch. The target: batches/s >= 20 x train steps/s. Prints a table and writes JSON to
+bench/results/input.json.
 """
 from __future__ import annotations
 
@@ -34,21 +35,25 @@ import seq2seq
 from seq2seq.data import load_dataset
 from seq2seq.data.dataset import open_source
 
-BIBLE = "/work/shared/corpora/bible_web_lsg"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import cpu_name  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIBLE = os.path.join(ROOT, "data", "bible")   # python -m seq2seq.data.bible data/bible
 BATCH, SEQ_LEN = 32, 64
 REQUIRED_RATIO = 20.0
 
 
-def _config(name: str, data_dir: str) -> seq2seq.Config:
+def _config(name: str, data_dir: str, bible: str = BIBLE) -> seq2seq.Config:
   data = dict(data_dir=data_dir)
   if name == "bible":
-    data.update(dataset="parallel_text", train_files=BIBLE, vocab_size=8000)
+    data.update(dataset="parallel_text", train_files=bible, vocab_size=8000)
   return seq2seq.Config(data=seq2seq.DataConfig(**data),
                         train=seq2seq.TrainConfig(batch_size=BATCH, seq_len=SEQ_LEN))
 
 
-def bench_pipeline(name: str, root: str, seconds: float) -> dict:
-  cfg = _config(name, os.path.join(root, "tfds"))
+def bench_pipeline(name: str, root: str, seconds: float, bible: str = BIBLE) -> dict:
+  cfg = _config(name, os.path.join(root, "tfds"), bible)
   workdir = os.path.join(root, f"work-{name}")
   shutil.rmtree(workdir, ignore_errors=True)  # time tokenizer training + tokenization
   t = time.perf_counter()
@@ -107,6 +112,8 @@ def bench_train_step(batch: dict, repeats: int) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--datasets", default="numbers,bible")
+  ap.add_argument("--bible", default=BIBLE, help="the Bible corpus' directory (default: "
+                  "data/bible, which python -m seq2seq.data.bible data/bible writes)")
   ap.add_argument("--root", default="/tmp/seq2seq_bench_input",
                   help="TFDS data dir and workdirs go here")
   ap.add_argument("--seconds", type=float, default=3.0, help="per pipeline measurement")
@@ -117,11 +124,14 @@ def main(argv=None):
   import absl.logging  # TFDS logs through absl, as in train.py
   absl.logging.set_verbosity(absl.logging.ERROR)
   names = [n for n in args.datasets.split(",") if n]
-  if "bible" in names and not os.path.isdir(BIBLE):
-    print(f"skipping bible: {BIBLE} not found", file=sys.stderr)
+  if "bible" in names and not os.path.isdir(args.bible):
+    print(f"skipping bible: {args.bible} not found (python -m seq2seq.data.bible "
+          f"{args.bible} writes it)", file=sys.stderr)
     names.remove("bible")
+  if not names:
+    sys.exit("error: no dataset to measure (--datasets numbers,bible)")
 
-  pipes = {n: bench_pipeline(n, args.root, args.seconds) for n in names}
+  pipes = {n: bench_pipeline(n, args.root, args.seconds, args.bible) for n in names}
   train = bench_train_step(pipes[names[0]]["batch"], args.repeats)
   for p in pipes.values():
     p.pop("batch")
@@ -145,7 +155,8 @@ def main(argv=None):
 
   result = dict(
       benchmark="input_pipeline", date=datetime.datetime.now().isoformat(timespec="seconds"),
-      host=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
+      host=dict(platform=platform.platform(), cpu=cpu_name(), cpus=os.cpu_count(),
+                jax=jax.__version__,
                 backend=jax.default_backend()),
       required_ratio=REQUIRED_RATIO, train_step=train, pipelines=pipes)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

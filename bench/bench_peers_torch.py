@@ -7,12 +7,12 @@ It does not import `seq2seq` (the constants below are copied), so it runs from a
 that has torch, numpy and transformers only. Install them in a SEPARATE venv (keep the
 project venv clean; pin the versions: the CPU torch wheel, not a multi-GB CUDA build):
 
-    python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch==2.13.0 numpy
-    /work/torchvenv/bin/pip install transformers==5.23.0   # decode_cached only
+    python3 -m venv ~/venvs/torch
+    ~/venvs/torch/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    ~/venvs/torch/bin/pip install numpy transformers==5.23.0   # transformers: decode_cached only
 
-(Here pip finds the CPU wheel, 2.13.0+cpu, in the machine's local wheel directory; elsewhere
-add `--index-url https://download.pytorch.org/whl/cpu` to the torch line, or PyPI's
-default build brings the CUDA libraries.)
+(The index URL gives the CPU wheel, 2.13.0+cpu; PyPI's default build brings the CUDA
+libraries.)
 
 (transformers pulls in tokenizers, safetensors and huggingface_hub; sentencepiece is NOT
 needed: no tokenizer is built and nothing is downloaded. Without transformers the
@@ -20,13 +20,14 @@ decode_cached rows fail and the other modes still run.)
 
 Run (from the repo root):
 
-    /work/torchvenv/bin/python bench/bench_peers_torch.py        # everything, ~6-7 min on 2 idle cores (estimate)
-    /work/torchvenv/bin/python bench/bench_peers_torch.py --presets small --modes train,decode --steps 2   # ~40 s
-    /work/torchvenv/bin/python bench/bench_peers_torch.py --presets base --modes decode --steps 1
-    /work/torchvenv/bin/python bench/bench_peers_torch.py --presets small --modes decode_cached --steps 1
+    ~/venvs/torch/bin/python bench/bench_peers_torch.py        # everything, ~6-7 min on 2 idle cores
+    ~/venvs/torch/bin/python bench/bench_peers_torch.py --presets small --modes train,decode --steps 2   # ~40 s
+    ~/venvs/torch/bin/python bench/bench_peers_torch.py --presets base --modes decode --steps 1
+    ~/venvs/torch/bin/python bench/bench_peers_torch.py --presets small --modes decode_cached --steps 1
 
-Workloads (issues 5 and 7): `small` = vocab 8,000, d_model 256, 3+3 layers, 4 heads,
-d_ff 1,024; `base` = vocab 32,000, d_model 512, 6+6 layers, 8 heads, d_ff 2,048.
+Workloads (those of the project's speed targets): `small` = vocab 8,000, d_model 256, 3+3
+layers, 4 heads, d_ff 1,024; `base` = vocab 32,000, d_model 512, 6+6 layers, 8 heads,
+d_ff 2,048.
 Shared source/target embedding (N(0, d^-1/2) init like ours) scaled by sqrt(d_model) plus
 sinusoidal positions, output head tied to the embedding (no bias), post-LN (torch's default
 norm_first=False), ReLU, LayerNorm eps 1e-6. Two changes to the stock module so it computes

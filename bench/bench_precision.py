@@ -15,9 +15,9 @@ seed 0..N-1, each run in a fresh subprocess and its own workdir:
 train.seed sets the initialisation *and* the order of the training batches, so
 bfloat16_sK - float32_sK is the effect of the dtype alone, and seed t - seed s within a dtype
 (other initialisation, other batches at each step) is the noise it is judged against. One
-noise pair is not enough: these runs have occasional short loss spikes (a step whose loss is
-several times its neighbours'), at different steps in different runs, and a spike in one run
-of a pair dominates that pair's largest difference. Hence three seeds: three bf16 - f32 pairs
+noise pair is not enough: runs can have short loss spikes (a step whose loss is several
+times its neighbours') at different steps, and a spike in one run of a pair dominates that
+pair's largest difference. Hence three seeds: three bf16 - f32 pairs
 against six seed pairs.
 
 Everything else is the default config, except `train.log_every=1` (the training loss of every
@@ -28,16 +28,8 @@ each run's workdir, so no run rebuilds them and all share one vocabulary.
 
 Expected result: the bf16 and f32 loss curves lie on top of each other; bf16 - f32 is
 tiny while the loss falls (< 0.1% for ~40 steps) and then, as rounding differences
-compound, grows, but stays inside the seed-to-seed differences. 2026-11-24 on B (dataset
-1.2.0, the default run with its cooldown), over the last 100 steps: mean |d| / loss 0.7-1.9%
-for bf16 - f32 against 2.2-4.8% for the seed pairs, the largest single step 1.9-6.0% against
-7.9-10.7%; no run had a loss spike; test exact match 100% in all six runs. 2026-11-25 on A
-(session 24, first-fit packing): 0.3-0.7% against 1.6-3.7%, the largest step 1.8-3.0% against
-6.1-9.1%, no spike, 100% in all six. (Before the
-cooldown, runs had occasional spikes; they come with particular batches, so both dtypes of a
-seed mostly spiked at the same step, but one pair, f32 at step 145 and bf16 at 205, showed a
-112% single-step gap against 62-83% between seeds, while its mean gap, 11.8%, was within
-the seeds' 3.3-14.8%.) Wall time on this CPU is about the same for both (the tiny model is
+compound, grows, but stays inside the seed-to-seed differences (figures and plot:
+docs/performance.md). Wall time is about the same in both dtypes (the tiny model is
 dominated by overheads; bf16 speed is bench_train.py's job).
 
 Reported per run: the training loss at the last step, the steps with a loss spike, the
@@ -69,6 +61,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_train import cpu_name  # noqa: E402
 DEFAULT_OUT = os.path.join(HERE, "results", "precision.json")
 WINDOW = 100  # the last steps over which the curves are compared
 DTYPES = ("float32", "bfloat16")
@@ -396,7 +390,7 @@ def main(argv=None):
        f"bfloat16 (bf16 matmul inputs, f32 accumulation/params), seeds 0-{args.seeds - 1}")
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, device=jax.devices()[0].device_kind,
-              cpu_count=os.cpu_count(), machine=platform.machine(),
+              cpu_count=os.cpu_count(), machine=platform.machine(), cpu=cpu_name(),
               load_avg=os.getloadavg(),
               args={k: v for k, v in vars(args).items() if not k.startswith("_")},
               shared_overrides=shared, runs=run_overrides,

@@ -3,11 +3,11 @@
     python bench/bench_train.py                       # small + base, float32 + bfloat16
     python bench/bench_train.py --presets small --dtypes float32 --steps 10
 
-Workloads (issue 7): `small` = get_config('small', vocab_size=8000) at batch 32 x 64;
-`base` = get_config('base', vocab_size=32000) at batch 16 x 64 (source and target length
-64). Shared embeddings and tied output head, dropout 0.1 (residual, embeddings and FFN
-hidden units), label smoothing 0.1, Adam (`seq2seq.train_lib.Trainer`, one device,
-pack=False). Batches are random tokens with a random length per row in [47, 64] (EOS last,
+Workloads (those of the project's speed targets): `small` = get_config('small',
+vocab_size=8000) at batch 32 x 64; `base` = get_config('base', vocab_size=32000) at batch
+16 x 64 (source and target length 64). Shared embeddings and tied output head, dropout 0.1
+(residual, embeddings and FFN hidden units), label smoothing 0.1, Adam
+(`seq2seq.train_lib.Trainer`, one device, pack=False). Batches are random tokens with a random length per row in [47, 64] (EOS last,
 then padding id 0): ~13% padding.
 
 Modes: `float32` and `bfloat16` (model dtype="bfloat16": matmul inputs bf16, f32
@@ -54,7 +54,7 @@ import time
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=32, length=64),
              "base": dict(vocab_size=32000, batch=16, length=64)}
-# Targets for later optimisation (issue 7), train tokens/s on the reference CPU.
+# The project's speed targets, train tokens/s (docs/performance.md, "The targets").
 TARGETS = {("small", "float32"): 2800, ("small", "bfloat16"): 5000,
            ("base", "float32"): 480, ("base", "bfloat16"): 1000}
 TARGET_BASE_COMPILE_S = 30.0
@@ -96,6 +96,24 @@ def _vm_hwm_mb() -> float:
       if line.startswith("VmHWM:"):
         return int(line.split()[1]) / 1024.0
   return float("nan")
+
+
+def cpu_name() -> str:
+  """This CPU's model name, count and the flags that decide matmul speed (AVX-512,
+  AVX512-BF16, AMX), as /proc/cpuinfo lists them."""
+  flags, model = set(), platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name") and model == platform.machine():
+          model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+          flags = set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+  return f"{model}, {os.cpu_count()} CPUs" + (f" ({', '.join(has) or 'no AVX-512'})"
+                                              if flags else "")
 
 
 def timed_calls(f, *args, repeats: int = 7) -> list[float]:
@@ -257,7 +275,7 @@ def main(argv=None):
           f"{'compile s':>9s} "
           f"{'peak RSS MB':>11s}")
   print(f"\nTrain step: target tokens/s (non-pad), jax {jax.__version__}, "
-        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, load average "
+        f"{cpu_name()}, load average "
         f"{os.getloadavg()[0]:.1f}, {args.steps} timed steps after {1 + args.warmup} warm-up"
         f"\nMFU = model FLOP/s / {PEAK_N}^3 matmul peak of the same dtype (f32 accumulation),"
         f" measured in the same process; limit = tokens/s at 100% MFU;\n"
@@ -281,7 +299,7 @@ def main(argv=None):
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, device=jax.devices()[0].device_kind,
-              cpu_count=os.cpu_count(), machine=platform.machine(),
+              cpu_count=os.cpu_count(), machine=platform.machine(), cpu=cpu_name(),
               load_avg=os.getloadavg(), args={k: v for k, v in vars(args).items()
                                                if k != "_child"},
               flop_formula=FLOP_FORMULA,

@@ -1,6 +1,8 @@
-"""Issue 7's targets on this machine: runs every speed benchmark, then one table, met or missed.
+"""The project's speed targets on this machine: runs every benchmark, then one table, met or
+missed. The targets were set as multiples of PyTorch peers' figures (nn.Transformer training,
+MarianMT decoding) measured on a reference CPU with AMX (REFERENCE_PEERS below).
 
-    python bench/scorecard.py            # all of them: ~11 min on 2 CPU cores (A)
+    python bench/scorecard.py            # all of them: ~11 min on 2 CPU cores
     python bench/scorecard.py --read     # only re-read the results in bench/results/scorecard/
     python bench/scorecard.py --runs decode_bf16,cache   # re-run only those
     python bench/scorecard.py --read --peers bench/results/peers_torch.json   # + PyTorch peers
@@ -15,14 +17,14 @@ The runs, one after another (each its own process, so none shares the cores with
     input.json           bench_input.py
     precision.json       bench_precision.py                   bf16 vs f32 curves (+ .png)
 Then scorecard.md (the table, for a note) and scorecard.json beside them. A result measured
-on another workload than the issue's (say `--new_tokens 8`), or a time to target with a warm
-compile cache, is shown but not counted. The decode targets name no dtype: each dtype gets
-its row. Mixed precision is met when even its worst bf16 - f32 pair (mean |d| / loss over
-the last 100 of 300 steps) is below the closest seed-to-seed pair: inside the noise. Peers
-come from bench_peers_torch.py, run in its own venv (see its docstring). The issue set each
-speed target as a multiple of its peers' figures on its own CPU (ISSUE_PEERS): with
---peers, each row also says whether ours, over the peer measured here, reaches that multiple
-("x peer verdict"), a view that does not depend on how fast this machine is.
+on another workload than the targets' (say `--new_tokens 8`), or a time to target with a
+warm compile cache, is shown but not counted. The decode targets name no dtype: each dtype
+gets its row. Mixed precision is met when even its worst bf16 - f32 pair (mean |d| / loss
+over the last 100 of 300 steps) is below the closest seed-to-seed pair: inside the noise.
+Peers come from bench_peers_torch.py, run in its own venv (see its docstring): with
+--peers, each row also says whether ours, over the peer measured here, reaches the multiple
+of the reference peer figure that its target asks for ("x peer verdict"), a view that does
+not depend on how fast this machine is.
 
 On a shared machine one run of a speed benchmark can land a quarter above or below the
 next. `--rounds N` runs the train and decode speed benchmarks N times, interleaved (train,
@@ -37,7 +39,6 @@ import collections
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from bench_time_to_target import TARGET_S  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_train  # noqa: E402
 
-RUNS = {  # name -> (command after `python bench/`, what, minutes on A)
+RUNS = {  # name -> (command after `python bench/`, what, minutes on 2 AVX-512 cores)
     "train": (["bench_train.py", "--steps", "8"], "train step: small and base, f32 and bf16",
               3),
     "decode_f32": (["bench_decode.py", "--modes", "cached"], "cached decoding, f32", 1),
@@ -64,10 +65,10 @@ RUNS = {  # name -> (command after `python bench/`, what, minutes on A)
                   5),
 }
 ROUNDED = ("train", "decode_f32", "decode_bf16")   # figures that move with the machine's load
-# The issue's peer figures (PyTorch 2.13 on its reference CPU, with AMX), tokens/s, keyed as
-# Row.key. Each target is a multiple of them: ours / the peer's, measured side by side on
-# another machine, is judged against that multiple (the "x peer" verdict).
-ISSUE_PEERS = {
+# The peers' figures the targets were set from (PyTorch 2.13 on the reference CPU, with AMX),
+# tokens/s, keyed as Row.key. Each target is a multiple of them: ours / the peer's, measured
+# side by side on another machine, is judged against that multiple (the "x peer" verdict).
+REFERENCE_PEERS = {
     ("train", "small", "float32"): 2250, ("train", "small", "bfloat16"): 3500,
     ("train", "base", "float32"): 390, ("train", "base", "bfloat16"): 700,
     ("decode_cached", "small", "float32", "greedy"): 3240,
@@ -87,7 +88,7 @@ class Row:
   what: str
   target: float | None = None
   higher_is_better: bool = True
-  reported_only: bool = False     # a figure the issue asks for, with no target
+  reported_only: bool = False     # a figure reported beside the targets, with no target
   key: tuple = ()                 # (mode, preset, dtype[, strategy]): where a peer's figure goes
   value: float | None = None      # None: not measured
   detail: str = ""
@@ -114,13 +115,13 @@ class Row:
 
   @property
   def peer_ratio_needed(self) -> float | None:
-    """The target as a multiple of the issue's own peer figure."""
-    return self.target / ISSUE_PEERS[self.key] if self.key in ISSUE_PEERS else None
+    """The target as a multiple of the reference peer figure it was set from."""
+    return self.target / REFERENCE_PEERS[self.key] if self.key in REFERENCE_PEERS else None
 
   @property
   def peer_verdict(self) -> str:
     """met / MISSED: ours reaches, against the peer measured here, the multiple of the
-    issue's peer figure that the target asks for ('' where there is nothing to judge)."""
+    reference peer figure that the target asks for ('' where there is nothing to judge)."""
     if self.peer_ratio is None or self.peer_ratio_needed is None or self.not_counted:
       return ""
     return "met" if self.peer_ratio >= self.peer_ratio_needed else "MISSED"
@@ -189,8 +190,9 @@ def _train_rows(res: dict | None) -> list[Row]:
   return rows
 
 
-def _decode_workload_issue(res: dict) -> str:
-  """'' if `res` (a bench_decode.py JSON) measured the issue's decode workload."""
+def _decode_workload_mismatch(res: dict) -> str:
+  """'' if `res` (a bench_decode.py JSON) measured the targets' decode workload, else how
+  it differs."""
   args = res.get("meta", {}).get("args", {})
   wrong = [f"{k} {args.get(k)}" for k, v in (("new_tokens", 64), ("src_len", 32))
            if args.get(k) != v]
@@ -203,7 +205,7 @@ def _decode_rows(results: dict[str, dict | None]) -> list[Row]:
     res = results.get(name) or {}
     if res and res["meta"]["args"].get("dtype") != dtype:
       raise ValueError(f"{name}.json holds a {res['meta']['args'].get('dtype')} run")
-    wrong = _decode_workload_issue(res) if res else ""
+    wrong = _decode_workload_mismatch(res) if res else ""
     got = {(r["model"], r["strategy"]): r for r in res.get("results", []) if "cached" in r}
     for (model, strategy), target in bench_decode.TARGETS.items():
       row = Row(f"decode {model} {strategy} {SHORT[dtype]}, tokens/s", target,
@@ -237,7 +239,7 @@ def _decode_rows(results: dict[str, dict | None]) -> list[Row]:
     speed.value = r["speedup"]
     speed.detail = (f"{res['meta']['args'].get('dtype')}: {r['cached']['tokens_per_s']:,.0f} "
                     f"vs {r['full']['tokens_per_s']:,.0f} tok/s")
-    speed.not_counted = _decode_workload_issue(res)
+    speed.not_counted = _decode_workload_mismatch(res)
   rows.append(speed)
   return rows
 
@@ -342,24 +344,9 @@ def summary(rows: list[Row]) -> str:
   against_peers = [r.peer_verdict for r in rows if r.peer_verdict]
   if against_peers:
     out += (f"; against the peers measured here, {against_peers.count('met')} of "
-            f"{len(against_peers)} reach the multiple of the issue's peer figure their "
+            f"{len(against_peers)} reach the multiple of the reference peer figure their "
             f"target asks for")
   return out
-
-
-def machine() -> str:
-  flags, model = set(), platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name") and model == platform.machine():
-          model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-          flags = set(line.split(":", 1)[1].split())
-  except OSError:
-    pass
-  has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-  return f"{model}, {os.cpu_count()} CPUs" + (f" ({', '.join(has)})" if flags else "")
 
 
 def read_results(directory: str) -> dict[str, dict | None]:
@@ -396,7 +383,7 @@ def run(names: list[str], directory: str, rounds: int = 1) -> list[str]:
     cmd, what, minutes = RUNS[name]
     out = os.path.join(directory, filename)
     print(f"\n[{i + 1}/{len(plan)}] {what}{round_k}: python bench/{' '.join(cmd)} "
-          f"(~{minutes} min on A; ~{left} min left)", file=sys.stderr, flush=True)
+          f"(~{minutes} min; ~{left} min left)", file=sys.stderr, flush=True)
     t = time.time()
     proc = subprocess.run([sys.executable, os.path.join(HERE, cmd[0]), *cmd[1:], "--out", out])
     left -= minutes
@@ -449,8 +436,8 @@ def main(argv=None) -> int:
   except (ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {e}" if isinstance(e, ValueError)
              else f"error: a result in {args.dir} lacks {e}: re-run its benchmark")
-  host = machine()
-  md = (f"Issue 7 scorecard, {time.strftime('%Y-%m-%d %H:%M')}, {host}; results in "
+  host = bench_train.cpu_name()
+  md = (f"Speed targets scorecard, {time.strftime('%Y-%m-%d %H:%M')}, {host}; results in "
         f"{args.dir}\n\n{table(rows)}\n\n{summary(rows)}\n")
   print("\n" + md)
   os.makedirs(args.dir, exist_ok=True)

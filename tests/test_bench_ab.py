@@ -65,6 +65,7 @@ def test_export_package_is_the_commits_code_under_its_own_name(tmp_path, monkeyp
     ab.export_package("nosuchcommit", str(tmp_path / "x"), repo=str(repo))
 
 
+@pytest.mark.slow
 @needs_git
 def test_cli_times_both_versions_of_a_decode_call(tmp_path):
   out = tmp_path / "ab.json"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import scorecard  # noqa: E402
@@ -14,6 +16,7 @@ import scorecard  # noqa: E402
 ROW = "time to 99% exact match of python train.py, s"
 
 
+@pytest.mark.slow
 def test_cold_run_reports_its_first_evaluation_and_leaves_the_users_cache_alone(tmp_path):
   user_cache = tmp_path / "user_jax"   # where train.py would put compiled programs
   env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(user_cache),

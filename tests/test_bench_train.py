@@ -1,6 +1,6 @@
 """bench/bench_train.py's MFU rests on two things tested here: its analytic FLOP count
 (`train_flops`), checked against every dot_general in the jaxpr of the real train step, and
-its random batches (≈ 13% padding, as issue 7 fixes the workload)."""
+its random batches (≈ 13% padding, the speed targets' workload)."""
 import functools
 import os
 import sys
