@@ -228,6 +228,7 @@ def decode_head(w, b_V, w_is_VxD: bool, dtype):
   [V, D]ᵀ form ~3x slower."""
   w_DxV = row_major((w.T if w_is_VxD else w).astype(dtype))
 
+  @jax.named_scope("output_head")
   def head(y_NxD):
     logits_NxV = jnp.dot(y_NxD.astype(dtype), w_DxV, preferred_element_type=jnp.float32)
     return logits_NxV if b_V is None else logits_NxV + b_V.astype(jnp.float32)

@@ -117,6 +117,7 @@ def _head_bwd(label_smoothing, dtype, w_is_VxD, chunks, res, g):
 _head_cross_entropy.defvjp(_head_fwd, _head_bwd)
 
 
+@jax.named_scope("output_head_loss")
 def head_loss(y_BxTxD, w, b_V, targets_BxT, weights_BxT, *, label_smoothing: float = 0.0,
               dtype: str = "float32", w_is_VxD: bool = True, chunks: int | None = None):
   """(loss_sum, correct_sum, weight_sum) of logits = y·Wᵀ + b (W [V, D], the tied embedding)
