@@ -363,5 +363,6 @@ assert same and again == greedy
 #   `python decode.py --workdir runs/default "four hundred and two"` translates;
 #   `python train.py --help` lists every option (other datasets, presets up to the
 #   paper's big model, `--config.KEY=VALUE` overrides).
-# * **2. Anatomy of the decoder** opens this model up, layer by layer.
+# * **2. Anatomy of the Transformer** opens this model up, encoder to loss, in the
+#   order the data flows.
 # * **3. Fast decoding** measures the KV cache and looks at beam search.

@@ -197,8 +197,9 @@ def heatmap(ax, m, xlabels=None, ylabels=None, title="", xlabel="", ylabel="", c
 #
 # Sentences of different lengths share a batch by padding: each row is right-padded with
 # id 0 (PAD) to the longest. The target is the reference translation ending in EOS; the
-# decoder reads it shifted one position right behind BOS (`shift_right`: *teacher
-# forcing*, section 6), so one forward pass predicts every target position at once.
+# decoder reads it shifted one position right behind BOS (`shift_right`; the paper's
+# "output embeddings are offset by one position", section 3.1). This is teacher forcing:
+# one forward pass predicts every target position at once.
 # `capture_intermediates` records what the model's modules return, so the sections below
 # can compare their hand computations with what the model computed.
 
