@@ -356,7 +356,7 @@ fig, axes = plt.subplots(1, H, figsize=(4.5 * H, 4.2))
 for i in range(H):
   heatmap(axes[i], weights[1, i], s1, s1 if i == 0 else [], f"head {i}", "key",
           "query" if i == 0 else "", vmin=0, vmax=1, colorbar=i == H - 1)
-fig.suptitle(f"Encoder layer 0 self-attention of sentence 1: one pattern per head")
+fig.suptitle("Encoder layer 0 self-attention of sentence 1: one pattern per head")
 plt.tight_layout(); plt.show()
 
 # %% [markdown]
