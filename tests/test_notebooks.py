@@ -1,5 +1,7 @@
-"""The Colab notebooks (colab/*.ipynb): committed as colab/make_notebooks.py writes them,
-without outputs, and each runs top to bottom without an error.
+"""The Colab notebooks: each source colab/NN_name.py (jupytext percent format) and its
+colab/NN_name.ipynb agree (colab/make_notebooks.py --check), the .ipynb are committed
+without outputs, the install cell installs what it should, and each notebook runs top to
+bottom without an error.
 
 The notebooks run in order in one shared workdir (notebooks 2 and 3 reuse the model that
 notebook 1 trains; run alone, they train it themselves) in their small setting,
@@ -10,12 +12,16 @@ SEQ2SEQ_NOTEBOOK_KEEP=1 keeps the executed notebooks (with outputs) in the test'
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import types
+import zipfile
 from pathlib import Path
 
+import jupytext
 import nbclient
 import nbformat
 import pytest
@@ -43,6 +49,7 @@ def _repository_url() -> str:
 
 def test_notebooks_are_generated_and_committed_without_outputs():
   assert sorted(p.stem for p in COLAB.glob("*.ipynb")) == sorted(NOTEBOOKS)
+  assert sorted(p.stem for p in COLAB.glob("0*.py")) == sorted(NOTEBOOKS)
   check = subprocess.run([sys.executable, str(COLAB / "make_notebooks.py"), "--check"],
                          capture_output=True, text=True)
   assert check.returncode == 0, check.stderr
@@ -51,6 +58,10 @@ def test_notebooks_are_generated_and_committed_without_outputs():
   for name in NOTEBOOKS:
     nb = nbformat.read(COLAB / f"{name}.ipynb", as_version=4)
     nbformat.validate(nb)
+    assert nb.metadata["jupytext"]["formats"] == "ipynb,py:percent"  # paired with its .py
+    source = jupytext.read(COLAB / f"{name}.py")
+    assert [(c.cell_type, c.source) for c in source.cells] == \
+        [(c.cell_type, c.source) for c in nb.cells], f"{name}: .py and .ipynb differ"
     first = nb.cells[0].source
     assert (f"https://colab.research.google.com/github/{owner_name}/blob/main/colab/{name}.ipynb"
             in first)
@@ -62,6 +73,46 @@ def test_notebooks_are_generated_and_committed_without_outputs():
     for cell in nb.cells:
       if cell.cell_type == "code":
         assert cell.outputs == [] and cell.execution_count is None, f"{name}: outputs committed"
+
+
+def _stale(check) -> list:
+  """The files `make_notebooks.py --check` names as out of date."""
+  return check.stderr.strip().rsplit(": ", 1)[1].split(", ")
+
+
+def _colab_copy(tmp_path) -> Path:
+  """colab/ and pyproject.toml copied, for the generator to rewrite."""
+  shutil.copytree(COLAB, tmp_path / "colab", ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copy(ROOT / "pyproject.toml", tmp_path)
+  return tmp_path / "colab"
+
+
+def test_check_finds_a_notebook_source_edited_without_regenerating(tmp_path):
+  colab = _colab_copy(tmp_path)
+  py = colab / "02_anatomy.py"
+  py.write_text(py.read_text().replace("## 1. A batch of two sentences", "## 1. Two sentences"))
+  run = lambda *a: subprocess.run([sys.executable, str(colab / "make_notebooks.py"), *a],
+                                  capture_output=True, text=True)
+  check = run("--check")
+  assert check.returncode == 1 and _stale(check) == ["02_anatomy.ipynb"]
+  assert run().returncode == 0                    # regenerate: the edit reaches the .ipynb
+  assert "## 1. Two sentences" in (colab / "02_anatomy.ipynb").read_text()
+  assert run("--check").returncode == 0
+
+
+def test_check_finds_a_shared_cell_edited_in_one_notebook(tmp_path):
+  """The badge and the install cell belong to the generator: an edit in one .py is undone."""
+  colab = _colab_copy(tmp_path)
+  py = colab / "03_fast_decoding.py"
+  py.write_text(py.read_text().replace("import importlib, importlib.metadata",
+                                       "import glob, importlib, importlib.metadata"))
+  run = lambda *a: subprocess.run([sys.executable, str(colab / "make_notebooks.py"), *a],
+                                  capture_output=True, text=True)
+  check = run("--check")
+  assert check.returncode == 1 and _stale(check) == ["03_fast_decoding.py"]
+  assert run().returncode == 0
+  assert "import glob" not in py.read_text()
+  assert py.read_text() == (COLAB / "03_fast_decoding.py").read_text()
 
 
 def test_notebooks_extra_has_a_jupyter_front_end_and_dev_does_not():
@@ -131,12 +182,45 @@ def _run_install_cell(source, monkeypatch, tmp_path, pip, versions=None, src_dir
   return None
 
 
+PLACEHOLDER = "https://github.com/your-org/seq2seq"  # pyproject.toml's until there is one
+
+
 def test_install_cell_stops_with_one_line_when_the_url_is_a_placeholder(monkeypatch, tmp_path):
-  placeholder = "https://github.com/your-org/seq2seq"  # pyproject.toml's until there is one
   pip = _FakePip()
-  stopped = _run_install_cell(_install_cell(placeholder), monkeypatch, tmp_path, pip)
+  stopped = _run_install_cell(_install_cell(PLACEHOLDER), monkeypatch, tmp_path, pip)
   assert stopped is not None and "placeholder" in str(stopped) and "REPO_URL" in str(stopped)
+  assert _make_notebooks().WHEEL_COMMAND in str(stopped)   # how to make what to upload
   assert pip.calls == []                   # no doomed `pip install git+<placeholder>`
+
+
+def test_install_cell_installs_an_uploaded_wheel_whatever_the_url(monkeypatch, tmp_path):
+  wheel = tmp_path / "seq2seq-0.1.0-py3-none-any.whl"  # uploaded next to the notebook
+  wheel.write_bytes(b"a wheel")
+  pip = _FakePip()
+  assert _run_install_cell(_install_cell(PLACEHOLDER), monkeypatch, tmp_path, pip) is None
+  assert len(pip.calls) == 1 and pip.calls[0][1:4] == ["-m", "pip", "install"]
+  assert Path(pip.calls[0][5]).resolve() == wheel.resolve()
+  assert not any(a.startswith("git+") for a in pip.calls[0])
+
+
+def test_install_cell_takes_the_newest_upload_under_a_name_pip_accepts(monkeypatch, tmp_path):
+  """A browser saves a second upload as "name (1).whl", which is no wheel name to pip."""
+  old = tmp_path / "seq2seq-0.1.0-py3-none-any.whl"
+  new = tmp_path / "seq2seq-0.1.0-py3-none-any (1).whl"
+  old.write_bytes(b"the first upload")
+  new.write_bytes(b"the second upload")
+  os.utime(old, (1_000_000, 1_000_000))
+  (tmp_path / "tmp").mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  pip = _FakePip()
+  assert _run_install_cell(_install_cell(PLACEHOLDER), monkeypatch, tmp_path, pip) is None
+  installed = Path(pip.calls[0][5])
+  assert installed.read_bytes() == b"the second upload" and installed.name == old.name
+  monkeypatch.undo()                       # the real pip: which name does it refuse?
+  refused = lambda path: "not a valid wheel filename" in subprocess.run(
+      [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
+       str(path)], capture_output=True, text=True).stderr
+  assert refused(new) and not refused(installed)
 
 
 def test_install_cell_installs_a_local_checkout_or_the_repository(monkeypatch, tmp_path):
@@ -172,6 +256,37 @@ def test_install_cell_asks_for_a_restart_when_pip_replaced_an_imported_jax(monke
                            monkeypatch, tmp_path, pip, versions) is None
 
 
+@pytest.mark.slow
+def test_the_readme_wheel_command_builds_a_wheel_of_the_whole_package(tmp_path):
+  """The file to upload with a notebook on Colab: `pip wheel --no-deps -w dist .`, run in a
+  copy of the checkout (building leaves build/ in the tree), holds every module of the
+  package and imports from where pip installs it."""
+  command = _make_notebooks().WHEEL_COMMAND
+  assert f"`{command}`" in (ROOT / "README.md").read_text()
+  src = tmp_path / "checkout"
+  shutil.copytree(ROOT / "seq2seq", src / "seq2seq", ignore=shutil.ignore_patterns("__pycache__"))
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
+    shutil.copy(ROOT / name, src)
+  assert command.startswith("pip ")
+  build = subprocess.run([sys.executable, "-m", *command.split()], cwd=src, capture_output=True,
+                         text=True)
+  assert build.returncode == 0, build.stdout + build.stderr
+  wheels = list((src / "dist").glob("*.whl"))
+  assert len(wheels) == 1 and wheels[0].name.startswith("seq2seq-"), wheels
+  modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "seq2seq").rglob("*.py")}
+  missing = modules - set(zipfile.ZipFile(wheels[0]).namelist())
+  assert not missing, sorted(missing)
+  site = tmp_path / "site"
+  install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                            str(site), str(wheels[0])], capture_output=True, text=True)
+  assert install.returncode == 0, install.stderr
+  probe = subprocess.run(
+      [sys.executable, "-c", "import seq2seq, seq2seq.translate, seq2seq.data; print(seq2seq.__file__)"],
+      cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
+  assert probe.returncode == 0, probe.stderr
+  assert Path(probe.stdout.strip()).is_relative_to(site)
+
+
 @pytest.fixture(scope="module")
 def notebook_env(tmp_path_factory):
   """A kernelspec running sys.executable, and the notebooks' shared workdir."""
@@ -186,6 +301,7 @@ def notebook_env(tmp_path_factory):
           "SEQ2SEQ_NOTEBOOK_SMOKE": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, notebook_env, monkeypatch):
   for k, v in notebook_env.items():
