@@ -2,8 +2,8 @@
 
   python decode.py --workdir runs/bible "In the beginning" "And the earth was void"
   python decode.py --workdir runs/bible --input test.en > test.fr
-  cat test.en | python decode.py --workdir runs/bible --top-p 0.9 --seed 1
-  python decode.py --workdir runs/bible --n-best 4 "In the beginning"
+  cat test.en | python decode.py --workdir runs/bible --top_p 0.9 --seed 1
+  python decode.py --workdir runs/bible --n_best 4 "In the beginning"
   python decode.py --workdir runs/bible --input test.en --reference test.fr > test.hyp.fr
 
 Everything (model config, parameters, SentencePiece vocabulary) comes from the workdir.
@@ -19,17 +19,22 @@ import sys
 import time
 
 EPILOG = """decoding strategy: beam search of 4 hypotheses with length penalty alpha 0.6 (the
-  paper's) unless --temperature, --top-k or --top-p is given (sampling) or --beam-size 1
-  (greedy). Sampling options with --beam-size above 1 are an error.
+  paper's) unless --temperature, --top_k or --top_p is given (sampling) or --beam_size 1
+  (greedy). Sampling options with --beam_size above 1 are an error.
 input: the SENTENCE arguments, else the lines of --input FILE, else standard input (UTF-8).
-  An empty line gives an empty line; a line longer than the model's max_len tokens is
-  truncated (one warning for all of them).
-output: one translation per line on standard output; with --n-best N (beam search only)
+  Sources are normalised as the run's were (lower-cased for the numbers task). An empty
+  line gives an empty line; a line longer than the model's max_len tokens is truncated
+  (one warning for all of them). Lines unlike every training source (pieces no training
+  source held, or longer than the longest) get translations all the same, and one warning.
+output: one translation per line on standard output; with --n_best N (beam search only)
   up to N lines per input: index<TAB>score<TAB>translation (index counts input lines from
   0; score = log-probability / length penalty; an empty input gives one line, score 0).
-  Lines are written as each chunk of --chunk-size lines is done; an interrupted run keeps
+  Lines are written as each chunk of --chunk_size lines is done; an interrupted run keeps
   them. Typed at a terminal, each line is translated when Enter is pressed.
-  A progress bar (file or standard input) and the speed go to standard error.
+  A progress bar (file or standard input) and the time spent compiling and decoding go to
+  standard error.
+flags: spelt with _ between words, as train.py's and the --config.KEY=VALUE fields; the -
+  spelling works too (--beam-size).
 scoring: --reference FILE (one reference line per input line) prints the corpus BLEU and
   chrF (sacreBLEU, its default 13a tokenisation) and the exact-match rate of the 1-best
   translations to standard error at the end."""
@@ -44,29 +49,29 @@ def parse_args(argv):
                  help="a workdir written by train.py (default: %(default)s)")
   p.add_argument("--input", default=None, metavar="FILE",
                  help="translate the lines of FILE ('-' = standard input)")
-  p.add_argument("--checkpoint-step", type=int, default=None, metavar="STEP",
+  p.add_argument("--checkpoint_step", type=int, default=None, metavar="STEP",
                  help="checkpoint to use (default: the latest)")
-  p.add_argument("--beam-size", type=int, default=None, help="default 4; 1 = greedy")
+  p.add_argument("--beam_size", type=int, default=None, help="default 4; 1 = greedy")
   p.add_argument("--alpha", type=float, default=None, help="beam length penalty (default 0.6)")
-  p.add_argument("--n-best", type=int, default=None, metavar="N",
+  p.add_argument("--n_best", type=int, default=None, metavar="N",
                  help="print the N best hypotheses with their scores (beam search)")
   p.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
-  p.add_argument("--top-k", type=int, default=None,
+  p.add_argument("--top_k", type=int, default=None,
                  help="sample from the k most probable tokens (0 = no limit)")
-  p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
+  p.add_argument("--top_p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
   p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-  p.add_argument("--max-len", type=int, default=None, help="output length limit (default: "
+  p.add_argument("--max_len", type=int, default=None, help="output length limit (default: "
                  "source length + 50, at most the model's max_len)")
-  p.add_argument("--batch-size", type=int, default=64,
+  p.add_argument("--batch_size", type=int, default=64,
                  help="sentences per batch (default: %(default)s)")
-  p.add_argument("--chunk-size", type=int, default=2048, metavar="LINES",
+  p.add_argument("--chunk_size", type=int, default=2048, metavar="LINES",
                  help="translate and write this many lines at a time, so output comes as "
                  "it is ready and an interrupted run keeps it (default: %(default)s; "
                  "lines are sorted by length within a chunk)")
   p.add_argument("--reference", default=None, metavar="FILE",
                  help="score the translations against FILE, one reference per input "
                  "line: BLEU, chrF and exact match on standard error")
-  p.add_argument("--no-progress", dest="no_progress", action="store_true",
+  p.add_argument("--no_progress", dest="no_progress", action="store_true",
                  help="no progress bar")
   return p.parse_args(argv)
 
@@ -163,19 +168,105 @@ def ctrl_c_waits():
     raise KeyboardInterrupt
 
 
+# What JAX spends compiling a program: tracing, lowering, compiling (or loading it from the
+# persistent cache).
+COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                            "/jax/core/compile/backend_compile_duration"})
+
+
+@contextlib.contextmanager
+def compile_spans():
+  """Collects (start, end) of JAX's compile work while the block runs."""
+  import jax.monitoring
+  spans = []
+
+  def listener(event, start, end, **_):
+    if event in COMPILE_EVENTS:
+      spans.append((start, end))
+  jax.monitoring.register_event_time_span_listener(listener)
+  try:
+    yield spans
+  finally:
+    jax.monitoring.unregister_event_time_span_listener(listener)
+
+
+def covered_seconds(spans) -> float:
+  """Seconds covered by the union of (start, end) spans (nested ones count once)."""
+  total, reach = 0.0, float("-inf")
+  for start, end in sorted(spans):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
+
+
+class InputWatch:
+  """Hands the input lines to the translation one by one, noting which are unlike every
+  training source (`seq2seq.data.sources.unfamiliar`) and how long it waited for them (a
+  terminal waits for typing: not decoding time)."""
+
+  def __init__(self, tokenizer, record):
+    self.tokenizer, self.record = tokenizer, record
+    self.unseen, self.long, self.waited = [], [], 0.0
+
+  def lines(self, lines):
+    from seq2seq.data import sources
+    from seq2seq.translate import source_ids
+    it = iter(lines)
+    for i in itertools.count():
+      start = time.perf_counter()
+      line = next(it, None)
+      self.waited += time.perf_counter() - start
+      if line is None:
+        return
+      if line.strip():
+        unseen, long = sources.unfamiliar(source_ids(self.tokenizer, line), self.tokenizer,
+                                          self.record)
+        if unseen:
+          self.unseen.append(i)
+        if long:
+          self.long.append(i)
+      yield line
+
+  def warning(self, reads: str | None) -> str | None:
+    """One line for all the unfamiliar input lines, or None."""
+    lines = sorted(set(self.unseen) | set(self.long))
+    if not lines:
+      return None
+    why = []
+    if self.unseen:
+      why.append(f"{len(self.unseen)} with pieces no training source held" if self.record
+                 else f"{len(self.unseen)} with characters the vocabulary has no piece for")
+    if self.long:
+      why.append(f"{len(self.long)} longer than the longest training source "
+                 f"({self.record.longest} tokens)")
+    shown = ", ".join(str(i + 1) for i in lines[:5]) + (", ..." if len(lines) > 5 else "")
+    return (f"warning: {len(lines)} input line(s) unlike anything the model was trained on, "
+            f"so their translations are guesses (line {shown}): {', '.join(why)}"
+            + (f"; this model reads {reads}" if reads else ""))
+
+
+def speed_line(lines: int, tokens: int, compiling: float, decoding: float) -> str:
+  return (f"{lines} line{'' if lines == 1 else 's'}, {tokens} tokens: compiling "
+          f"{compiling:.2f} s, decoding {decoding:.2f} s "
+          f"({tokens / max(decoding, 1e-9):.1f} tokens/s)")
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   import absl.logging  # Orbax logs through absl: keep its chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
   from seq2seq import compile_cache, textio, translate
   from seq2seq.checkpoint import load_workdir
+  from seq2seq.data import sources
   compile_cache.enable()
   from seq2seq.errors import UserError, one_line_warnings
   one_line_warnings()
   done = 0
   try:
     if args.chunk_size < 1:
-      raise UserError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+      raise UserError(f"--chunk_size must be >= 1, got {args.chunk_size}")
     if not 0 <= args.seed < 2 ** 32:
       raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
     strategy = strategy_from_flags(
@@ -202,24 +293,27 @@ def main(argv=None) -> int:
     if not args.sentences and not args.no_progress:
       from tqdm.auto import tqdm
       bar = tqdm(total=len(lines), unit="line", file=sys.stderr, dynamic_ncols=True)
+    watch = InputWatch(tokenizer, sources.read(args.workdir))
     start, done, num_tokens, truncated, hypotheses = time.perf_counter(), 0, 0, [], []
     chunks = translate.translate_chunks(
-        params, cfg.model, tokenizer, lines, strategy, chunk_size=args.chunk_size,
-        batch_size=args.batch_size, max_len=args.max_len, rng=args.seed,
-        progress=bar.update if bar else None)
+        params, cfg.model, tokenizer, watch.lines(lines), strategy,
+        chunk_size=args.chunk_size, batch_size=args.batch_size, max_len=args.max_len,
+        rng=args.seed, progress=bar.update if bar else None)
     try:
-      for _, out in chunks:                     # written as each chunk is done
-        with ctrl_c_waits():
-          if bar is not None:
-            bar.clear()
-          hypotheses += write(out, done, args.n_best)
-          done += len(out.texts)
-        num_tokens += out.num_tokens
-        truncated += out.truncated
+      with compile_spans() as spans:
+        for _, out in chunks:                   # written as each chunk is done
+          with ctrl_c_waits():
+            if bar is not None:
+              bar.clear()
+            hypotheses += write(out, done, args.n_best)
+            done += len(out.texts)
+          num_tokens += out.num_tokens
+          truncated += out.truncated
     finally:
       if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - start
+    compiling = covered_seconds(spans)
+    decoding = time.perf_counter() - start - compiling - watch.waited
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -242,8 +336,10 @@ def main(argv=None) -> int:
     more = ", ..." if len(truncated) > 5 else ""
     print(f"warning: {len(truncated)} input line(s) longer than the model's "
           f"{cfg.model.max_len} tokens were truncated (line {shown}{more})", file=sys.stderr)
-  print(f"{done} lines, {num_tokens} tokens generated in {seconds:.2f} s "
-        f"({num_tokens / max(seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
+  unfamiliar = watch.warning(sources.what_the_model_reads(cfg.data))
+  if unfamiliar:
+    print(unfamiliar, file=sys.stderr)
+  print(speed_line(done, num_tokens, compiling, max(decoding, 0.0)), file=sys.stderr)
   if args.reference is not None:
     print(score_line(hypotheses, references, args.reference), file=sys.stderr)
   return 0

@@ -14,7 +14,9 @@ EPILOG = """config overrides: --config.KEY=VALUE sets any field of the run's Con
   (a field name unique to one section may drop the section: --config.steps=3000).
 multi-host: run one process per host with --coordinator_address HOST:PORT
   --num_processes N --process_id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-  JAX_PROCESS_ID); on TPU pods set SEQ2SEQ_DISTRIBUTED=auto."""
+  JAX_PROCESS_ID); on TPU pods set SEQ2SEQ_DISTRIBUTED=auto.
+flags: spelt with _ between words, as the --config.KEY=VALUE fields and decode.py's flags;
+  the - spelling works too (--train-files)."""
 
 
 def parse_args(argv):

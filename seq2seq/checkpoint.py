@@ -11,6 +11,7 @@ and tokenizer, with no flags.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -293,8 +294,33 @@ def workdir_path(workdir, must_exist: bool = True) -> Path:
   return path
 
 
+class _BelowError(logging.Filter):
+  """Orbax's records below ERROR (it logs through absl)."""
+
+  def filter(self, record):
+    return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """A read-only restore makes Orbax log four warnings of routine facts (read-only options,
+  no metadata file of old checkpoints); silence those, only while the block runs."""
+  logger, quiet = logging.getLogger("absl"), _BelowError()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
 def load_workdir(workdir, step: int | None = None):
-  """(config, params, tokenizer) from a workdir written by train.py, on the default device."""
+  """(config, params, tokenizer) from a workdir written by train.py, on the default device.
+  The tokenizer normalises sources as the run's data config says (data.lowercase_source)."""
+  with _quiet_orbax():
+    return _load_workdir(workdir, step)
+
+
+def _load_workdir(workdir, step: int | None):
   from seq2seq.data import Tokenizer
   workdir = workdir_path(workdir)
   cfg = read_config(workdir)
@@ -317,7 +343,8 @@ def load_workdir(workdir, step: int | None = None):
   if restored is None:
     raise UserError(f"{workdir}: no readable checkpoint (all were skipped)")
   params, _ = restored
-  return cfg, params, Tokenizer.load(str(vocab_path(workdir)))
+  return cfg, params, Tokenizer.load(str(vocab_path(workdir)),
+                                     lowercase_source=cfg.data.lowercase_source)
 
 
 def average_checkpoints(workdir, last: int = 5):

@@ -85,6 +85,10 @@ class DataConfig:
   src_lang: str = "en"
   tgt_lang: str = "fr"
   reverse: bool = False          # swap source and target of a TFDS translation dataset
+  # Lower-case every source before tokenizing it, in training and in translation (decode.py
+  # and the Python API read it from the workdir): for data whose sources are all lower case,
+  # such as the numbers task, so "Forty-Two" reads as "forty-two".
+  lowercase_source: bool = False
   vocab_size: int = 8000
   spm_model_type: str = "unigram"
   character_coverage: float = 1.0
@@ -217,7 +221,10 @@ class Config:
   @classmethod
   def from_dict(cls, d: dict) -> "Config":
     try:
-      return cls(model=TransformerConfig(**d["model"]), data=DataConfig(**d["data"]),
+      data = dict(d["data"])
+      # Written before the field existed: the numbers task's sources were lower case already.
+      data.setdefault("lowercase_source", data.get("dataset", "numbers") == "numbers")
+      return cls(model=TransformerConfig(**d["model"]), data=DataConfig(**data),
                  train=TrainConfig(**d["train"]))
     except (KeyError, TypeError) as e:
       raise ConfigError(f"config does not match this version of seq2seq: {e}") from None
@@ -263,7 +270,8 @@ def get_experiment(name: str = "numbers") -> Config:
     return Config(
         model=TransformerConfig(d_model=64, num_heads=4, num_encoder_layers=2,
                                 num_decoder_layers=2, d_ff=256, dropout_rate=0.0, max_len=64),
-        data=DataConfig(dataset="numbers", max_src_len=48, max_tgt_len=48),
+        data=DataConfig(dataset="numbers", max_src_len=48, max_tgt_len=48,
+                        lowercase_source=True),
         train=TrainConfig(steps=300, batch_size=64, seq_len=64, warmup_steps=150,
                           learning_rate_scale=0.35, clip_grad_norm=1.0, adam_b2=0.99,
                           cooldown_steps=100, eval_every=100, checkpoint_every=100, log_every=25,

@@ -334,7 +334,19 @@ def _optimizer_structure(cfg: Config):
 
 
 def summary(r: "TrainResult") -> str:
-  lines = [f"trained to step {r.step} in {r.seconds:.0f} s; workdir {r.workdir}"]
+  """What the run did, its final metrics, and how to translate with it: a sentence of its
+  own data (the workdir's train_sources.json) and, where it can be said, what it reads."""
+  import shlex
+  from seq2seq.data import sources
+  record, cfg = sources.read(r.workdir), ckpt_lib.read_config(r.workdir)
+  if r.train_metrics:
+    lines = [f"trained to step {r.step} in {r.seconds:.0f} s; workdir {r.workdir}"]
+  else:   # train() logs whenever it has taken a step
+    steps = f"train.steps {cfg.train.steps}; " if cfg is not None else ""
+    lines = [f"nothing to train: workdir {r.workdir} is already at step {r.step} ({steps}"
+             f"--steps N trains on to step N)"
+             + (f"; evaluated it in {r.seconds:.0f} s" if r.eval_metrics or r.test_metrics
+                else "")]
   for split, m in (("validation", r.eval_metrics), ("test", r.test_metrics)):
     if m:
       stale = m.get("step", r.step) != r.step
@@ -343,7 +355,12 @@ def summary(r: "TrainResult") -> str:
                    f"token accuracy {m['accuracy']:.4f}, "
                    f"BLEU {m['bleu']:.1f}, chrF {m['chrf']:.1f}, exact match "
                    f"{m['exact_match']:.4f} on {m['examples']} examples")
-  lines.append(f"translate with: python decode.py --workdir {r.workdir} \"sentence\"")
+  example = record.example if record is not None and record.example else "SENTENCE"
+  lines.append(f"translate with: python decode.py --workdir {shlex.quote(str(r.workdir))} "
+               f"{shlex.quote(example)}")
+  reads = sources.what_the_model_reads(cfg.data) if cfg is not None else None
+  if reads:
+    lines.append(f"this model reads {reads}; anything else gets a confident guess")
   return "\n".join(lines)
 
 

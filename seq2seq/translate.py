@@ -5,7 +5,9 @@
 
 `translate` gives the best translation of each sentence; `translate_nbest` every hypothesis
 with its score (cutting over-long sources, skipping empty ones); `translate_chunks` the same
-chunk by chunk, for output written as it comes. A single string is one sentence.
+chunk by chunk, for output written as it comes. A single string is one sentence. Sources are
+read as the tokenizer's `normalize_source` says (lower-cased for the numbers task: the
+tokenizer of `load_workdir` follows the run's data config).
 """
 from __future__ import annotations
 
@@ -51,15 +53,23 @@ class Translations(NamedTuple):
   truncated: list[int]
 
 
+def source_ids(tokenizer, sentence: str) -> list[int]:
+  """The ids the model reads for `sentence`: normalised as the run's sources were (e.g.
+  lower-cased), encoded, EOS-terminated. Every translation reads its sources through here."""
+  normalize = getattr(tokenizer, "normalize_source", None)
+  text = normalize(sentence) if normalize is not None else sentence
+  return list(tokenizer.encode(text)) + [int(tokenizer.eos_id)]
+
+
 def encode_sources(tokenizer, sentences: Sequence[str], max_len: int, *,
                    truncate: bool = True) -> tuple[list[list[int]], list[int]]:
-  """(sources, truncated): `tokenizer.encode(s) + [eos]` per sentence, and the indices of
-  those longer than `max_len` tokens, which are cut to max_len with EOS kept as the last
-  token (truncate=True) or raise UserError (truncate=False)."""
+  """(sources, truncated): `source_ids` of each sentence, and the indices of those longer
+  than `max_len` tokens, which are cut to max_len with EOS kept as the last token
+  (truncate=True) or raise UserError (truncate=False)."""
   eos = int(tokenizer.eos_id)
   srcs, truncated = [], []
   for i, sentence in enumerate(sentences):
-    ids = list(tokenizer.encode(sentence)) + [eos]
+    ids = source_ids(tokenizer, sentence)
     if len(ids) > max_len:
       _check(truncate, f"sentence {i} has {len(ids)} tokens (EOS included); the model reads "
              f"at most {max_len}")
@@ -76,7 +86,7 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
                     progress: Callable[[int], Any] | None = None) -> Translations:
   """Translates `sentences`: every hypothesis (n_best for beam search) with its score.
 
-  Sources are `tokenizer.encode(s) + [eos]`. Sentences are sorted by length and batched;
+  Sources are `source_ids(tokenizer, s)`. Sentences are sorted by length and batched;
   each batch is padded to a multiple of `length_multiple` tokens and to a power-of-two
   number of rows (at most batch_size), so few shapes are compiled and reused. Batch `n`
   decodes with `fold_in(rng, n)`.
@@ -154,7 +164,7 @@ def translate(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str
               max_len: int | None = None, rng=None) -> list[str]:
   """Translates `sentences`, returning the best hypothesis of each, in input order.
 
-  Sources are `tokenizer.encode(s) + [eos]`; one longer than config.max_len raises
+  Sources are `source_ids(tokenizer, s)`; one longer than config.max_len raises
   UserError, and an empty sentence is decoded like any other (`translate_nbest` with
   truncate=False, skip_empty=False; see it for the batching).
   """

@@ -1,10 +1,14 @@
 """decode.py end to end on a tiny workdir trained once for the module (~20 s), and each
-kind of bad input: one line on stderr, exit code 2.
+kind of bad input: one line on stderr, exit code 2. Also what a newcomer meets first: the
+training run's closing lines, what decode.py says of inputs unlike the training data, the
+Python API's silence, both scripts' help.
 
 Most runs call `decode.main` in this process (so the jitted decoders compile once for the
 whole file); one runs the real script with a pipe on standard input."""
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,33 +26,50 @@ import decode as decode_script  # noqa: E402
 from seq2seq import translate  # noqa: E402
 from seq2seq.errors import UserError  # noqa: E402
 from seq2seq.search import Beam, Greedy, Sample  # noqa: E402
-from seq2seq.checkpoint import load_workdir  # noqa: E402
+from seq2seq.checkpoint import Checkpoints, load_workdir  # noqa: E402
 
 MAX_LEN = 64
+MAX_SRC_LEN = 32
 UNSEEN = "vingt-trois 日本語 ☃ 🙂"   # characters the vocabulary never saw
+# One training pair too long for max_src_len: dropped, with a warning.
+TOO_LONG = " ".join(["seventy-seven"] * 20)
+
+
+def train_pairs():
+  from num2words import num2words
+  return [(num2words(n), num2words(n, lang="fr")) for n in range(300)] + [(TOO_LONG, "x")]
+
+
+def train_args(root):
+  return ["--workdir", str(root / "w"), "--config", "tiny", "--dataset", "parallel_text",
+          "--train_files", str(root / "train.tsv"), "--data_dir", str(root / "tfds"),
+          "--steps", "10", "--no_progress", "--config.model.d_model=32", "--config.model.num_heads=2",
+          "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+          "--config.model.d_ff=64", f"--config.model.max_len={MAX_LEN}",
+          "--config.data.vocab_size=300", f"--config.data.max_src_len={MAX_SRC_LEN}",
+          "--config.data.max_tgt_len=32", "--config.train.batch_size=8",
+          "--config.train.seq_len=32", "--config.train.warmup_steps=10",
+          "--config.train.log_every=5", "--config.train.checkpoint_every=5"]
+
+
+def run_train(root):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, str(ROOT / "train.py"), *train_args(root)], env=env,
+                        cwd=str(ROOT), capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  """10 steps of a tiny model on English→French numbers; checkpoints at steps 5 and 10."""
-  from num2words import num2words
+  """10 steps of a tiny model on English→French numbers (and one over-long pair);
+  checkpoints at steps 5 and 10. train.py's stdout and stderr are kept beside it."""
   root = tmp_path_factory.mktemp("decode_cli")
   train = root / "train.tsv"
-  train.write_text("".join(f"{num2words(n)}\t{num2words(n, lang='fr')}\n" for n in range(300)))
-  args = ["--workdir", str(root / "w"), "--config", "tiny", "--dataset", "parallel_text",
-          "--train_files", str(train), "--data_dir", str(root / "tfds"), "--steps", "10",
-          "--no_progress", "--config.model.d_model=32", "--config.model.num_heads=2",
-          "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
-          "--config.model.d_ff=64", f"--config.model.max_len={MAX_LEN}",
-          "--config.data.vocab_size=300", "--config.data.max_src_len=32",
-          "--config.data.max_tgt_len=32", "--config.train.batch_size=8",
-          "--config.train.seq_len=32", "--config.train.warmup_steps=10",
-          "--config.train.log_every=5", "--config.train.checkpoint_every=5"]
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=env, cwd=str(ROOT),
-                     capture_output=True, text=True, timeout=300)
+  train.write_text("".join(f"{src}\t{tgt}\n" for src, tgt in train_pairs()))
+  p = run_train(root)
   assert p.returncode == 0, p.stderr[-3000:]
+  (root / "train.stdout").write_text(p.stdout)
+  (root / "train.stderr").write_text(p.stderr)
   return root / "w"
 
 
@@ -148,7 +169,7 @@ def test_over_long_line_is_truncated_with_one_warning(workdir, model, capsys):
   code, out, err = run(capsys, "--workdir", workdir, "--beam-size", 1, "seven", long, long)
   assert code == 0, err
   assert len(out.split("\n")) == 4
-  warnings = [l for l in err.splitlines() if l.startswith("warning:")]
+  warnings = [l for l in err.splitlines() if l.startswith("warning:") and "truncated" in l]
   assert len(warnings) == 1 and "2 input line(s)" in warnings[0] and "(line 2, 3)" in warnings[0]
   got = out.split("\n")
   assert got[1] == got[2] != ""    # what the cut source gives is library-tested (test_decoding)
@@ -414,7 +435,7 @@ def _spelt(argv, sep):
 
 
 def test_flags_are_spelt_either_way_in_both_scripts():
-  """train.py's flags use underscores and decode.py's dashes; each accepts both."""
+  """Both scripts accept flags spelt with dashes or underscores."""
   sys.path.insert(0, str(ROOT))
   import train as train_script
   decode_argv = ["--workdir", "w", "--beam-size", "2", "--checkpoint-step", "5", "--n-best",
@@ -439,7 +460,7 @@ def test_flags_are_spelt_either_way_in_both_scripts():
 @pytest.mark.parametrize("script, argv, message", [
     ("train.py", ["--bogus"], "unrecognized argument --bogus"),
     ("train.py", ["--steps", "x"], "argument --steps: invalid int value: 'x'"),
-    ("decode.py", ["--beam-size", "x"], "argument --beam-size: invalid int value: 'x'"),
+    ("decode.py", ["--beam-size", "x"], "argument --beam_size: invalid int value: 'x'"),
     ("decode.py", ["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_flags_are_one_line_and_exit_2_without_loading_jax(script, argv, message):
@@ -500,3 +521,162 @@ def test_strategy_from_flags(flags, want):
     assert "\n" not in str(e.value)
   else:
     assert decode_script.strategy_from_flags(**flags) == want
+
+
+# --- a newcomer's first hour ----------------------------------------------------------------
+
+def _seen_by_training(tok):
+  """(pieces, longest) of the training sources as the fixture's run kept them, computed
+  here from the training file: pairs over 32 tokens (EOS included) dropped."""
+  pieces, longest = set(), 0
+  for src, tgt in train_pairs():
+    s, t = tok.encode(src) + [tok.eos_id], tok.encode(tgt) + [tok.eos_id]
+    if len(s) <= MAX_SRC_LEN and len(t) <= 32:
+      pieces |= set(s[:-1])
+      longest = max(longest, len(s))
+  return pieces, longest
+
+
+def test_lines_unlike_every_training_source_get_one_warning_with_their_count(
+    workdir, model, capsys):
+  """A line with a piece no training source held (upper case and unseen characters are
+  byte pieces here) or longer than the longest training source is translated all the same,
+  and counted in one warning; the record in the workdir is what the training file says."""
+  _, _, tok = model
+  pieces, longest = _seen_by_training(tok)
+  record = json.loads((workdir / "train_sources.json").read_text())
+  assert record["longest"] == longest and set(record["pieces"]) == pieces
+  assert longest < len(tok.encode(TOO_LONG))        # the dropped pair is not counted
+  long_familiar = " ".join(["one hundred and one"] * 6)
+  lines = ["seven", "", "SEVEN", UNSEEN, long_familiar, "two hundred and twelve",
+           " ".join(["seventy-seven"] * 60)]
+  unseen = [i for i, l in enumerate(lines) if set(tok.encode(l)) - pieces]
+  long = [i for i, l in enumerate(lines) if len(tok.encode(l)) + 1 > longest]
+  assert unseen == [2, 3] and long == [3, 4, 6]     # the cases this test means to cover
+  code, out, err = run(capsys, "--workdir", workdir, "--beam_size", 1, *lines)
+  assert code == 0, err
+  assert len(out.split("\n")) == len(lines) + 1
+  warnings = [l for l in err.splitlines() if "unlike anything the model was trained on" in l]
+  assert len(warnings) == 1, err
+  assert warnings[0].startswith("warning: 4 input line(s) unlike"), warnings
+  assert "(line 3, 4, 5, 7)" in warnings[0]
+  assert (f"2 with pieces no training source held, 3 longer than the longest training source "
+          f"({longest} tokens)") in warnings[0]
+  code, out, err = run(capsys, "--workdir", workdir, "seven", "two hundred and twelve")
+  assert code == 0 and "warning" not in err, err
+
+
+def test_sources_are_lower_cased_where_the_run_says_in_decode_py_and_the_api(
+    workdir, model, tmp_path, capsys):
+  """data.lowercase_source in the workdir's config: decode.py and load_workdir's tokenizer
+  read "SEVEN" as "seven" (without it, upper case is byte pieces: another input)."""
+  cfg, params, tok = model
+  assert not cfg.data.lowercase_source and not tok.lowercase_source
+  lower = tmp_path / "lower"
+  shutil.copytree(workdir, lower)
+  config = json.loads((lower / "config.json").read_text())
+  config["data"]["lowercase_source"] = True
+  (lower / "config.json").write_text(json.dumps(config))
+  lcfg, lparams, ltok = load_workdir(lower)
+  assert lcfg.data.lowercase_source and ltok.lowercase_source
+  src = ["SEVEN", "Two Hundred And Twelve"]
+  want, _ = translate.encode_sources(tok, [s.lower() for s in src], MAX_LEN)
+  assert translate.encode_sources(ltok, src, MAX_LEN)[0] == want
+  assert translate.encode_sources(tok, src, MAX_LEN)[0] != want
+  got = translate.translate(lparams, lcfg.model, ltok, src + ["seven"], Greedy())
+  assert got == translate.translate(params, cfg.model, tok, ["seven", "two hundred and twelve",
+                                                             "seven"], Greedy())
+  code, out, err = run(capsys, "--workdir", lower, "--beam_size", 1, *src)
+  assert code == 0, err
+  assert out.splitlines() == got[:2] and "warning" not in err
+
+
+def _speed(err):
+  m = re.fullmatch(r"(\d+) (lines?), (\d+) tokens: compiling ([\d.]+) s, decoding ([\d.]+) s "
+                   r"\(([\d.]+) tokens/s\)", err.strip().splitlines()[-1])
+  assert m, err
+  return int(m[1]), m[2], int(m[3]), float(m[4]), float(m[5])
+
+
+def test_closing_line_reports_compiling_and_decoding_apart(workdir, capsys):
+  """A first run of a new shape (--max_len 7 is compiled for no other test) spends time
+  compiling; the same run again compiles nothing, and its decoding time is the rest."""
+  runs = []
+  for _ in range(2):
+    start = time.perf_counter()
+    code, out, err = run(capsys, "--workdir", workdir, "--beam_size", 1, "--max_len", 7,
+                         "one hundred")
+    wall = time.perf_counter() - start
+    assert code == 0, err
+    runs.append((_speed(err), wall))
+  (n, word, tokens, compiling, decoding), wall = runs[0]
+  assert (n, word) == (1, "line") and tokens >= 1
+  assert compiling > 0.2 and compiling + decoding <= wall
+  (_, _, tokens2, compiling2, decoding2), wall2 = runs[1]
+  assert compiling2 == 0.0 and tokens2 == tokens and 0 <= decoding2 <= wall2
+  assert decoding2 < compiling
+
+
+@pytest.mark.slow
+def test_load_workdir_prints_nothing_and_leaves_logging_alone(workdir):
+  """The Python API in a fresh interpreter: loading prints nothing (Orbax's routine
+  warnings are filtered while it loads), and the program's own absl warnings still show."""
+  code = ("import logging, sys\n"
+          "from seq2seq.checkpoint import load_workdir\n"
+          "load_workdir(sys.argv[1])\n"
+          "logging.getLogger('absl').warning('the program speaks')\n")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, "-c", code, str(workdir)], env=env, cwd=str(ROOT),
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].endswith("the program speaks"), p.stderr
+
+
+def test_train_py_ends_with_a_command_that_translates_a_source_of_its_own_data(
+    workdir, capsys):
+  """The closing hint is a decode.py command for the workdir and a training source (this
+  run has no held-out split), which decode.py takes without a warning."""
+  out = (workdir.parent / "train.stdout").read_text()
+  hint = [l for l in out.splitlines() if l.startswith("translate with: ")]
+  assert len(hint) == 1, out
+  argv = shlex.split(hint[0].removeprefix("translate with: "))
+  assert argv[:4] == ["python", "decode.py", "--workdir", str(workdir)] and len(argv) == 5
+  assert argv[4] in {src for src, _ in train_pairs()}
+  code, got, err = run(capsys, *argv[2:])
+  assert code == 0 and got.count("\n") == 1 and "warning" not in err, err
+
+
+def test_train_py_warns_of_dropped_pairs_in_one_line(workdir):
+  err = (workdir.parent / "train.stderr").read_text()
+  assert ("warning: 1 of 301 training pairs are longer than 32 source / 32 target tokens "
+          "(EOS included): dropped") in err.splitlines(), err
+  assert not [l for l in err.splitlines() if l.startswith(("WARNING", "INFO"))], err
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_finished_workdir_says_it_trained_nothing(workdir):
+  p = run_train(workdir.parent)
+  assert p.returncode == 0, p.stderr[-2000:]
+  first = p.stdout.splitlines()[0]
+  assert first == (f"nothing to train: workdir {workdir} is already at step 10 "
+                   f"(train.steps 10; --steps N trains on to step N)"), p.stdout
+  assert Checkpoints(workdir, read_only=True).steps() == [5, 10]
+
+
+@pytest.mark.parametrize("script", ["train", "decode"])
+def test_help_spells_every_flag_one_way(script, capsys):
+  """Both scripts list their flags with _ between words (the --config.KEY=VALUE fields can
+  only be spelt so); the - spelling is an alias (test_flags_are_spelt_either_way...)."""
+  sys.path.insert(0, str(ROOT))
+  module = __import__(script)
+  with pytest.raises(SystemExit) as e:
+    module.parse_args(["--help"])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  options = text[text.index("options:"):]
+  options = options[:options.index("\n\n")] if "\n\n" in options else options
+  flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", options))
+  assert len(flags) >= 10, flags
+  assert not [f for f in flags if "-" in f[2:]], sorted(flags)

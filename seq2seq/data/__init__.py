@@ -18,7 +18,7 @@ Token ids (tokenizer.py): PAD 0, BOS 1, EOS 2, UNK 3; byte fallback on. Sources 
 are EOS-terminated in batches; the decoder input is `shift_right(tgt, BOS, tgt_segments)`.
 
 Files: TFDS data in data.data_dir; <workdir>/vocab.model; <workdir>/data_cache/*.npz
-(tokenized splits). In multi-host runs process 0 builds and trains the vocabulary, the
+(tokenized splits); <workdir>/train_sources.json (what the training sources were: sources.py). In multi-host runs process 0 builds and trains the vocabulary, the
 others wait for the files; each host tokenizes and batches only its own training examples
 (every process_count-th); eval_batches yields the whole split on every host.
 """

@@ -80,8 +80,8 @@ def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
   if downloads:
     where = (f"TFDS dataset {builder.info.full_name!r} is not prepared in {builder.data_dir} "
              f"and could not be downloaded")
-    hint = ("prepare it on a machine with internet access and point --config.data.data_dir "
-            "at it")
+    hint = ("prepare it on a machine with internet access and point --data_dir "
+            "(TFDS_DATA_DIR) at it")
   else:  # built from local files: nothing to download, so the directory is the problem
     where = f"could not build TFDS dataset {builder.info.full_name!r} in {builder.data_dir}"
     hint = "check that --data_dir (TFDS_DATA_DIR) is a writable directory"

@@ -11,13 +11,19 @@ Where things live:
     ~/tensorflow_datasets), built by process 0 and waited for by the others;
   * the SentencePiece model at <workdir>/vocab.model (reused if present);
   * tokenized splits (flat int32 tokens + offsets, .npz) in <workdir>/data_cache/, keyed by
-    the vocabulary, the dataset and the host shard, so each split is tokenized once.
+    the vocabulary, the dataset and the host shard, so each split is tokenized once;
+  * what the training sources were (longest, pieces, an example) in
+    <workdir>/train_sources.json (sources.py), for decode.py's warnings.
+
+Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -25,9 +31,10 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from seq2seq.config import Config
-from seq2seq.data import catalog, numbers, parallel_text
+from seq2seq.data import catalog, numbers, parallel_text, sources
 from seq2seq.data.pipeline import Ragged, TrainStream, apply_length_policy, pad_batch
-from seq2seq.data.tokenizer import Tokenizer, atomic_write, get_tokenizer, wait_for
+from seq2seq.data.tokenizer import (EOS_ID, Tokenizer, atomic_write, get_tokenizer,
+                                    normalize_source, wait_for)
 from seq2seq.errors import UserError
 
 log = logging.getLogger("seq2seq.data")
@@ -167,7 +174,8 @@ class Dataset:
       z = np.load(io.BytesIO(path.read_bytes()))
       return (Ragged(z["src_flat"], z["src_offsets"]), Ragged(z["tgt_flat"], z["tgt_offsets"]))
     src_text, tgt_text = self.source.read(split, indices)
-    src = Ragged.from_lists(self.tokenizer.encode_batch(src_text))
+    src = Ragged.from_lists(self.tokenizer.encode_batch(
+        [self.tokenizer.normalize_source(s) for s in src_text]))
     tgt = Ragged.from_lists(self.tokenizer.encode_batch(tgt_text))
     buf = io.BytesIO()
     np.savez(buf, src_flat=src.flat, src_offsets=src.offsets, tgt_flat=tgt.flat,
@@ -188,6 +196,8 @@ class Dataset:
     mine = range(self.process_index * per_host, (self.process_index + 1) * per_host)
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
     self._streams, totals, host_examples = [], {}, 0
+    vocab = self.tokenizer.vocab_size
+    self.source_pieces, self.longest_source = np.zeros(vocab, bool), 0   # (EOS included)
     for shard in mine:
       # Shard `shard`: every `shards`-th example, starting at `shard`.
       idx = np.arange(shard, n, shards)
@@ -201,15 +211,17 @@ class Dataset:
                         f"raise max_src_len/max_tgt_len/seq_len or use length_policy=truncate")
       for k in ("kept", "dropped_too_long", "truncated"):
         totals[k] = totals.get(k, 0) + stats[k]
+      self.source_pieces |= np.bincount(src.flat, minlength=vocab)[:vocab] > 0
+      self.longest_source = max(self.longest_source, int(src.lengths.max()))
       host_examples += len(idx)
       self._streams.append(TrainStream(src, tgt, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
                                        process_index=shard))
     over = totals["dropped_too_long"] + totals["truncated"]
     if over:
-      log.warning("%d of %d training pairs are longer than %d/%d tokens: %s", over,
-                  host_examples, src_limit, tgt_limit,
-                  "dropped" if d.length_policy == "drop" else "truncated")
+      warnings.warn(f"{over} of {host_examples} training pairs are longer than {src_limit} "
+                    f"source / {tgt_limit} target tokens (EOS included): "
+                    + ("dropped" if d.length_policy == "drop" else "truncated"))
     self.stats = {
         "dataset": self.source.name, "source_key": self.source.src_key,
         "target_key": self.source.tgt_key, "vocab_size": self.tokenizer.vocab_size,
@@ -230,6 +242,19 @@ class Dataset:
       yield parts[0] if len(parts) == 1 else {
           k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
       step += 1
+
+  def train_sources(self, candidates: int = 100) -> sources.TrainSources:
+    """The record of what the training sources were, with an example: the first of the
+    first `candidates` sources of the first held-out split (else train) that is like them."""
+    seen = frozenset(np.flatnonzero(self.source_pieces).tolist()) - {EOS_ID}
+    record = sources.TrainSources(self.longest_source, seen)
+    split = next(s for s in ("test", "validation", "train") if s in self.splits)
+    texts, _ = self.source.read(split, range(min(candidates, self.num_examples(split))))
+    for text in texts:
+      ids = self.tokenizer.encode(self.tokenizer.normalize_source(text)) + [EOS_ID]
+      if text.strip() and not any(sources.unfamiliar(ids, self.tokenizer, record)):
+        return dataclasses.replace(record, example=text)
+    return record
 
   # --- evaluation ---------------------------------------------------------------------
 
@@ -291,11 +316,15 @@ def load_dataset(cfg: Config, workdir: str, *, process_index: int | None = None,
       idx = np.sort(np.random.default_rng(0).choice(n, SPM_MAX_PAIRS, replace=False))
     src, tgt = source.read("train", idx)
     log.info("training SentencePiece (%d pieces) on %d pairs", vocab_size, len(src))
-    return src + tgt
+    return [normalize_source(s, d.lowercase_source) for s in src] + tgt
 
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   tokenizer = get_tokenizer(
       str(epath.Path(workdir) / "vocab.model"), sentences, vocab_size=vocab_size,
       model_type=d.spm_model_type, character_coverage=d.character_coverage,
-      process_index=process_index, timeout=PREPARE_TIMEOUT)
-  return Dataset(cfg, workdir, source, tokenizer, process_index, process_count)
+      process_index=process_index, timeout=PREPARE_TIMEOUT,
+      lowercase_source=d.lowercase_source)
+  ds = Dataset(cfg, workdir, source, tokenizer, process_index, process_count)
+  if process_index == 0:
+    sources.write(workdir, ds.train_sources())
+  return ds

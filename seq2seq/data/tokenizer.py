@@ -5,7 +5,8 @@ the training text never showed is spelt as UTF-8 byte pieces (<0xE6> ...) and de
 exactly; UNK is only produced for invalid ids. Text is normalised with SentencePiece's
 default `nmt_nfkc` rule (NFKC plus whitespace folding) on the way in.
 
-`Tokenizer.encode` returns pieces only (no BOS/EOS); the data pipeline appends EOS.
+`Tokenizer.encode` returns pieces only (no BOS/EOS); the data pipeline appends EOS. Sources
+go through `normalize_source` first: lower-cased when the run's data.lowercase_source says.
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ class Tokenizer:
   eos_id = EOS_ID
   unk_id = UNK_ID
 
-  def __init__(self, model_proto: bytes, path: str = ""):
+  def __init__(self, model_proto: bytes, path: str = "", *, lowercase_source: bool = False):
     self._proto = model_proto
     self.path = str(path)
+    self.lowercase_source = bool(lowercase_source)
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     got = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
     if got != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
@@ -43,12 +45,12 @@ class Tokenizer:
   # --- construction ----------------------------------------------------------------------
 
   @classmethod
-  def load(cls, path: str) -> "Tokenizer":
+  def load(cls, path: str, *, lowercase_source: bool = False) -> "Tokenizer":
     p = epath.Path(path)
     if not p.exists():
       raise UserError(f"no SentencePiece model at {path}")
     try:
-      return cls(p.read_bytes(), str(path))
+      return cls(p.read_bytes(), str(path), lowercase_source=lowercase_source)
     except (RuntimeError, OSError) as e:
       raise UserError(f"{path} is not a readable SentencePiece model ({e})") from None
 
@@ -97,6 +99,14 @@ class Tokenizer:
     """Piece ids of `text`, without BOS/EOS."""
     return self._sp.encode(text)
 
+  def normalize_source(self, text: str) -> str:
+    """A source sentence as the model reads it (before `encode`)."""
+    return normalize_source(text, self.lowercase_source)
+
+  def is_byte_or_unknown(self, i: int) -> bool:
+    """A byte-fallback piece (a character the vocabulary has no piece for) or UNK."""
+    return self._sp.is_byte(int(i)) or self._sp.is_unknown(int(i))
+
   def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
     return self._sp.encode(list(texts), num_threads=num_threads)
 
@@ -117,6 +127,10 @@ class Tokenizer:
 
   def id_to_piece(self, i: int) -> str:
     return self._sp.id_to_piece(int(i))
+
+
+def normalize_source(text: str, lowercase: bool) -> str:
+  return text.lower() if lowercase else text
 
 
 # --- files shared between hosts -------------------------------------------------------------
@@ -143,13 +157,14 @@ def wait_for(predicate, what: str, timeout: float, poll: float = 1.0) -> None:
 
 def get_tokenizer(path: str, sentences_fn, *, vocab_size: int, model_type: str,
                   character_coverage: float, process_index: int = 0,
-                  timeout: float = 1800.0) -> Tokenizer:
+                  timeout: float = 1800.0, lowercase_source: bool = False) -> Tokenizer:
   """Loads the model at `path`, or trains it: process 0 trains on `sentences_fn()` and
   writes atomically, the other processes wait for the file."""
   p = epath.Path(path)
   if not p.exists():
     if process_index == 0:
-      return Tokenizer.train(sentences_fn(), path, vocab_size=vocab_size,
-                             model_type=model_type, character_coverage=character_coverage)
-    wait_for(p.exists, path, timeout)
-  return Tokenizer.load(path)
+      Tokenizer.train(sentences_fn(), path, vocab_size=vocab_size, model_type=model_type,
+                      character_coverage=character_coverage)
+    else:
+      wait_for(p.exists, path, timeout)
+  return Tokenizer.load(path, lowercase_source=lowercase_source)

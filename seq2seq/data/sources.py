@@ -1,0 +1,63 @@
+"""What a run's training sources were, kept in its workdir (`train_sources.json`): the
+longest (tokens, EOS included), the pieces they hold, and one source of the run's own data.
+
+A model answers anything with a confident translation; decode.py uses this record to say
+which inputs are unlike everything the model was trained on (`unfamiliar`), and train.py's
+closing hint shows the example. Written by process 0 from the training pairs it reads (its
+shards, in a multi-host run).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+from etils import epath
+
+from seq2seq.data import numbers
+from seq2seq.data.tokenizer import EOS_ID, atomic_write
+
+FILE = "train_sources.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSources:
+  longest: int              # tokens of the longest training source, EOS included
+  pieces: frozenset         # ids of every piece the training sources hold
+  example: str = ""         # a source of the run's data, held out when a split is
+
+
+def write(workdir, record: TrainSources) -> None:
+  data = {"longest": int(record.longest), "pieces": sorted(int(i) for i in record.pieces),
+          "example": record.example}
+  atomic_write(str(epath.Path(workdir) / FILE), json.dumps(data).encode())
+
+
+def read(workdir) -> TrainSources | None:
+  """The workdir's record; None for a workdir written before runs kept one (or damaged)."""
+  path = epath.Path(workdir) / FILE
+  try:
+    data = json.loads(path.read_text())
+    return TrainSources(int(data["longest"]), frozenset(int(i) for i in data["pieces"]),
+                        str(data.get("example", "")))
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def unfamiliar(ids: Sequence[int], tokenizer, record: TrainSources | None
+               ) -> tuple[bool, bool]:
+  """(unseen, long) of a source as the model reads it (`ids`, EOS included): it holds a
+  piece no training source held, or it is longer than the longest training source. Without
+  a record only the vocabulary's own gaps count: byte-fallback and UNK pieces."""
+  body = list(ids[:-1]) if len(ids) and ids[-1] == EOS_ID else list(ids)
+  if record is None:
+    return any(tokenizer.is_byte_or_unknown(i) for i in body), False
+  return any(i not in record.pieces for i in body), len(ids) > record.longest
+
+
+def what_the_model_reads(data_cfg) -> str | None:
+  """What a model of this data config was trained to read, where a sentence can say it."""
+  if data_cfg.dataset == "numbers":
+    return (f"English number words from zero to {numbers.STRATA[-1][1] - 1:,}, as num2words "
+            f"writes them (\"{numbers.number_words(342817, 'en')}\")")
+  return None
