@@ -256,3 +256,75 @@ def test_trained_model_translates_held_out_numbers_like_ours(trained):
   int8 = ct2(trained / "int8", "int8")
   agree = np.mean([a == b for a, b in zip(ours, int8)])
   assert agree >= 0.95, [(s, a, b) for s, a, b in zip(sentences, ours, int8) if a != b][:5]
+
+
+# --- bench/bench_peers_ct2.py's model -------------------------------------------------------
+
+def _bench_module(name):
+  sys.path.insert(0, str(ROOT / "bench"))
+  try:
+    return __import__(name)
+  finally:
+    sys.path.remove(str(ROOT / "bench"))
+
+
+def test_bench_peer_model_is_ours(tmp_path):
+  """The peer benchmark cannot import seq2seq: its parameters (perturbed, so that biases and
+  LayerNorms count) go through our Transformer and through the CTranslate2 model it writes,
+  and give the same log-probabilities; its sources are bench_decode.py's."""
+  from seq2seq.config import TransformerConfig
+  bench = _bench_module("bench_peers_ct2")
+  sizes = dict(vocab_size=300, d_model=32, num_heads=4, num_encoder_layers=2,
+               num_decoder_layers=2, d_ff=64)
+  rng = np.random.default_rng(1)
+  params = jax.tree_util.tree_map(lambda x: x + 0.3 * rng.standard_normal(x.shape, np.float32),
+                                  bench.random_params(sizes, seed=0))
+  cfg = TransformerConfig(**sizes, max_len=bench.MAX_LEN, dropout_rate=0.0)
+  x = jnp.ones((1, 4), jnp.int32)
+  ours_shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), x, x)["params"])
+  assert jax.tree_util.tree_map(np.shape, params) == jax.tree_util.tree_map(
+      lambda a: a.shape, ours_shapes)
+
+  bench.save_model(sizes, params, str(tmp_path / "ct2"))
+  translator = ctranslate2.Translator(str(tmp_path / "ct2"), compute_type="float32")
+  tokens = bench.vocabulary(sizes["vocab_size"])
+  ids = np.random.default_rng(2).integers(3, sizes["vocab_size"], (6, 20))
+  src_lens, tgt_lens = [20, 17, 9, 13, 20, 5], [19, 4, 11, 20, 7, 12]
+  srcs = [list(ids[i, :n]) for i, n in enumerate(src_lens)]
+  tgts = [list(ids[::-1][i, :n]) for i, n in enumerate(tgt_lens)]
+  results = translator.score_batch([[tokens[i] for i in s] for s in srcs],
+                                   [[tokens[i] for i in t] for t in tgts])
+  src = np.zeros((6, 21), np.int32)
+  tgt_in, tgt_out = np.zeros((6, 21), np.int32), np.zeros((6, 21), np.int32)
+  for i, (s, t) in enumerate(zip(srcs, tgts)):
+    src[i, :len(s) + 1] = s + [EOS_ID]
+    tgt_in[i, :len(t) + 1] = [BOS_ID] + t
+    tgt_out[i, :len(t) + 1] = t + [EOS_ID]
+  logits = Transformer(cfg).apply({"params": params}, src, tgt_in).astype(jnp.float32)
+  lp = np.asarray(jax.nn.log_softmax(logits.at[..., 0].set(-jnp.inf), axis=-1))
+  for i, (r, t) in enumerate(zip(results, tgts)):
+    ours = lp[i, np.arange(len(t) + 1), tgt_out[i, :len(t) + 1]]
+    np.testing.assert_allclose(r.log_probs, ours, atol=1e-4)
+
+  # The same sources as bench_decode.py (which appends EOS itself; CTranslate2 adds it).
+  bench_decode = _bench_module("bench_decode")
+  want = bench_decode.random_sources(8000, 16, 32)
+  got = bench.sources(8000, 16, 32)
+  assert got == [[bench.vocabulary(8000)[i] for i in row[:-1]] for row in want]
+  assert want[:, -1].tolist() == [EOS_ID] * 16
+
+
+def test_bench_peer_init_scales_are_ours():
+  """The peer's random weights have our initialisers' scales (per parameter, `small`)."""
+  from seq2seq.config import get_config
+  bench = _bench_module("bench_peers_ct2")
+  peer = bench.random_params(bench.MODELS["small"], seed=0)
+  cfg = get_config("small", vocab_size=8000)
+  x = jnp.ones((1, 4), jnp.int32)
+  ours = jax.jit(Transformer(cfg).init)(jax.random.key(0), x, x)["params"]
+  assert jax.tree_util.tree_structure(peer) == jax.tree_util.tree_structure(ours)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(peer),
+                          jax.tree_util.tree_leaves(ours)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert abs(a.mean() - b.mean()) < 0.01, jax.tree_util.keystr(path)
+    assert a.std() == pytest.approx(b.std(), rel=0.02, abs=1e-6), jax.tree_util.keystr(path)
