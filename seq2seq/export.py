@@ -19,10 +19,12 @@ checks the per-token log-probabilities and greedy translations). Install the eng
 
 The source is its pieces followed by "</s>" (the model's config.json says add_source_eos),
 the decoder starts from "<s>", and PAD is never predicted (the output layer's bias is -1e9
-for it), as in `seq2seq.decoding`. CTranslate2's beam search
-divides a hypothesis' log-probability by length ** length_penalty, not by GNMT's
-((5 + length) / 6) ** alpha that `seq2seq.decoding.Beam` uses: beams of different lengths
-may rank differently.
+for it), as in `seq2seq.decoding`. Two differences of CTranslate2's searches, not of the
+model: its beam search divides a hypothesis' log-probability by length ** length_penalty,
+not by GNMT's ((5 + length) / 6) ** alpha as `seq2seq.decoding.Beam` does, so beams of
+different lengths may rank differently (with length_penalty=0 and alpha=0 both rank by
+log-probability); and its min_decoding_length defaults to 1, which bans "</s>" as the
+first token and renormalises over the rest (min_decoding_length=0 gives our scores).
 """
 from __future__ import annotations
 
