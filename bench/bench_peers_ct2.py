@@ -47,6 +47,11 @@ CPU backend refuses (bfloat16, int8_bfloat16, float16 on CPUs, whatever their IS
 recorded with CTranslate2's message. Prints a table, the CPU (/proc/cpuinfo model name, its
 AVX-512 / AVX512-BF16 / AMX flags) and CTranslate2's own choice of ISA and GEMM backend
 (logged by a child process with CT2_VERBOSE=1); writes JSON to bench/results/peers_ct2.json.
+
+Run it on an idle machine: CTranslate2's OpenMP threads wait for each other after every op,
+so while another process holds one of 2 cores a 2-thread call can take many times longer
+(small greedy float32 went from 0.09 s to 5.8 s a call beside a test run; `--intra_threads
+1` was steady).
 """
 from __future__ import annotations
 
