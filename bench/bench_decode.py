@@ -18,6 +18,11 @@ jitted loop with `full_recompute=True`: every step runs the teacher-forced decod
 cross-attention keys/values and the logits of all 64 positions (causal masking makes the
 result equal; tests check it).
 
+Mode `latency`: one interactive sentence, batch 1, as bench/bench_peers_ct2.py measures
+CTranslate2: a source of 28 random tokens (about 20 words; EOS last, drawn like the workload's
+sources), exactly 30 new tokens (min_len = max_len), `decoding.decode` as in `cached`; the
+median of `--latency_repeats` calls after 2 warm-up calls, in milliseconds per sentence.
+
 tokens/s counts output tokens of the returned translation (batch x 64 per call), whatever
 the beam size. compile_s is the first call minus a warm call (tracing + XLA compilation of
 the one decode program). cpu_s is the process CPU time of a warm call (steadier than wall
@@ -74,6 +79,13 @@ COST_FORMULA = ("FLOPs/step = 2N[N_d(6d^2 + 2d*d_ff + 2Ld + 2Sd) + dV]; bytes/st
                 "size[N_d(6d^2 + 2d*d_ff + 12d + d_ff) + dV + 2N_d*d(N*L + B*S)]")
 
 
+def random_sources(vocab_size: int, rows: int, src_len: int) -> np.ndarray:
+  """[rows, src_len] int32 random ids in [3, vocab_size), EOS last."""
+  src = np.random.default_rng(0).integers(3, vocab_size, (rows, src_len)).astype(np.int32)
+  src[:, -1] = EOS
+  return src
+
+
 def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq"):
   """(config, random params cast as `decode` casts them, source batch [B, src_len]) of the
   workload `model`, built by `package` (this seq2seq, or another version: bench/ab.py)."""
@@ -85,10 +97,7 @@ def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq"
                                                                   dtype=dtype)
   x = jnp.ones((1, 4), jnp.int32)
   params = dec.decode_params(cfg, jax.jit(model_cls(cfg).init)(jax.random.key(0), x, x))
-  src = np.random.default_rng(0).integers(3, cfg.vocab_size, (w["batch"], src_len))
-  src = src.astype(np.int32)
-  src[:, -1] = EOS
-  return cfg, params, src
+  return cfg, params, random_sources(cfg.vocab_size, w["batch"], src_len)
 
 
 def step_cost(cfg, rows: int, cache_len: int, src_len: int,
@@ -130,7 +139,7 @@ def roofline(cfg, batch: int, beams: int, src_len: int, new_tokens: int, run_s: 
               fraction_of_limit=bound_s / run_s)
 
 
-def _time_decode(cfg, params, src, strategy, new_tokens, full_recompute, repeats):
+def _time_decode(cfg, params, src, strategy, new_tokens, full_recompute, repeats, warmup=0):
   def call():
     t, c = time.perf_counter(), time.process_time()
     out = decoding.decode(cfg, params, src, strategy, bos_id=BOS, eos_id=EOS,
@@ -140,6 +149,8 @@ def _time_decode(cfg, params, src, strategy, new_tokens, full_recompute, repeats
 
   first, _, out = call()
   assert (out.lengths == new_tokens).all(), out.lengths
+  for _ in range(warmup - 1):
+    call()
   runs = [call()[:2] for _ in range(repeats)]
   warm = statistics.median(r[0] for r in runs)
   return dict(first_call_s=first, compile_s=max(first - warm, 0.0), run_s=warm,
@@ -151,11 +162,15 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default="small,base")
   ap.add_argument("--strategies", default="greedy,beam4")
-  ap.add_argument("--modes", default="cached,full", help="cached and/or full (recompute)")
+  ap.add_argument("--modes", default="cached,full",
+                  help="cached, full (recompute) and/or latency (batch 1)")
   ap.add_argument("--src_len", type=int, default=32)
   ap.add_argument("--new_tokens", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=5, help="warm calls timed (cached)")
   ap.add_argument("--full_repeats", type=int, default=1, help="warm calls timed (full)")
+  ap.add_argument("--latency_src_len", type=int, default=28)
+  ap.add_argument("--latency_new_tokens", type=int, default=30)
+  ap.add_argument("--latency_repeats", type=int, default=20, help="warm calls timed (latency)")
   ap.add_argument("--dtype", default="float32", help="compute dtype (float32 or bfloat16)")
   ap.add_argument("--f32_dots", default="auto", choices=("auto", "xla", "ynnpack"),
                   help="the f32 loop's dots on CPU: auto = XLA's own dot emitter without "
@@ -171,10 +186,21 @@ def main(argv=None):
   for name in args.models.split(","):
     w = WORKLOADS[name]
     cfg, params, src = workload(name, args.dtype, args.src_len)
+    src1 = random_sources(cfg.vocab_size, 1, args.latency_src_len)
     cfgs[name] = cfg
     for sname in args.strategies.split(","):
       result = {}
       for mode in args.modes.split(","):
+        if mode == "latency":
+          r = _time_decode(cfg, params, src1, STRATEGIES[sname], args.latency_new_tokens,
+                           False, args.latency_repeats, warmup=2)
+          r.update(src_len=args.latency_src_len, new_tokens=args.latency_new_tokens,
+                   ms_per_sentence=1e3 * r["run_s"])
+          result[mode] = r
+          print(f"  {name:5s} {sname:6s} {mode:7s} {r['ms_per_sentence']:7.1f} ms/sentence "
+                f"(batch 1, {args.latency_src_len} -> {args.latency_new_tokens} tokens; cpu "
+                f"{1e3 * r['cpu_s']:.1f} ms)", file=sys.stderr, flush=True)
+          continue
         r = _time_decode(cfg, params, src, STRATEGIES[sname], args.new_tokens,
                          mode == "full", args.repeats if mode == "cached" else args.full_repeats)
         result[mode] = r
@@ -199,7 +225,7 @@ def main(argv=None):
 
   head = (f"{'model':6s} {'strategy':8s} {'batch':>5s} {'cached tok/s':>12s} {'target':>7s} "
           f"{'GFLOP/s':>8s} {'% peak':>6s} {'GB/s':>5s} {'limit':>6s} {'% limit':>7s} "
-          f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s}")
+          f"{'full tok/s':>10s} {'speedup':>8s} {'compile s':>9s} {'batch-1 ms':>10s}")
   print(f"\nDecode speed: src_len {args.src_len}, {args.new_tokens} new tokens, "
         f"dtype {args.dtype}, jax {jax.__version__}, {cpu_name()}, XLA options of the f32 "
         f"loop {cpu_kernels.decode_compiler_options(get_config('small')) or 'default'}, "
@@ -208,6 +234,8 @@ def main(argv=None):
         f"({args.dtype}, {peak['n']}^3), read bandwidth "
         f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (sum over {bandwidth['mbytes']} MB); "
         f"limit = roofline tokens/s of the cached step's\nminimum work ({COST_FORMULA})\n"
+        f"batch-1 ms: latency mode, one {args.latency_src_len}-token source, "
+        f"{args.latency_new_tokens} new tokens, median of {args.latency_repeats} calls\n"
         f"{head}\n{'-' * len(head)}")
   def cell(value, width, fmt):  # "-" for what this run did not measure
     return f"{'-' if value is None else format(value, fmt):>{width}s}"
@@ -216,7 +244,7 @@ def main(argv=None):
     return None if x is None else 100 * x
 
   for r in rows:
-    c, f = r.get("cached") or {}, r.get("full") or {}
+    c, f, lat = r.get("cached") or {}, r.get("full") or {}, r.get("latency") or {}
     rl = c.get("roofline") or {}
     print(f"{r['model']:6s} {r['strategy']:8s} {r['batch']:5d} "
           f"{cell(c.get('tokens_per_s'), 12, '.0f')} {r['target_tokens_per_s']:7d} "
@@ -227,7 +255,7 @@ def main(argv=None):
           f"{cell(pct(rl.get('fraction_of_limit')), 6, '.0f')}% "
           f"{cell(f.get('tokens_per_s'), 10, '.0f')} "
           f"{cell(r.get('speedup'), 7, '.1f')}{'x' if 'speedup' in r else ' '} "
-          f"{cell(c.get('compile_s'), 9, '.1f')}")
+          f"{cell(c.get('compile_s'), 9, '.1f')} {cell(lat.get('ms_per_sentence'), 10, '.1f')}")
   small_greedy = next((r for r in rows if r["model"] == "small" and r["strategy"] == "greedy"
                        and "speedup" in r), None)
   if small_greedy:
