@@ -1,27 +1,24 @@
 """The main job as README.md gives it: `python train.py` on the embedded default task, then
-`decode.py` on the numbers people type first. The one slow test: ~2 minutes on 2 cores."""
+`decode.py` on the numbers people type first (the run is conftest's `default_run`)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from seq2seq.data import numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_python_train_py_learns_the_numbers(tmp_path):
-  env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds")}
-  wd = tmp_path / "run"
-  p = subprocess.run([sys.executable, "train.py", "--workdir", str(wd), "--no_progress"],
-                     cwd=ROOT, env=env, check=True, timeout=1200, capture_output=True,
-                     text=True)
+@pytest.mark.slow
+def test_python_train_py_learns_the_numbers(default_run):
+  wd, p, env = default_run
   # The embedded dataset is built here, once, with nothing downloaded; stdout has only the
   # summary.
-  assert p.stderr.startswith(f"building the dataset in {tmp_path / 'tfds'}"), p.stderr[:500]
+  assert p.stderr.startswith(f"building the dataset in {env['TFDS_DATA_DIR']}"), p.stderr[:500]
   assert "Download" not in p.stdout + p.stderr
   assert p.stdout.startswith("trained to step 300"), p.stdout[:500]
   metrics = [json.loads(line) for line in open(wd / "metrics.jsonl")]

@@ -39,6 +39,7 @@ def _run(probe: str, mode: str = "tuned"):
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_keep_freed_memory_makes_xla_reuse_its_temporary_memory():
   default = _run(PROBE, "default")
@@ -74,6 +75,7 @@ print(json.dumps(rss + [float(f(x, w))]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_release_freed_memory_gives_the_kept_temporaries_back():
   start, kept, released, value = _run(RELEASE_PROBE)
