@@ -65,11 +65,11 @@ def export_package(commit: str, into: str, repo: str = ROOT, name: str = OLD) ->
   return dest
 
 
-def train_runner(package: str, preset: str, dtype: str):
+def train_runner(package: str, preset: str, dtype: str, kernels: str = ""):
   """A function that runs one train step of bench_train.py's workload with `package`."""
   import jax
   import bench_train
-  trainer, state, _, batches = bench_train.workload(preset, dtype, package)
+  trainer, state, _, batches = bench_train.workload(preset, dtype, package, kernels)
   done = [state, 0]   # the state after the steps so far, and their count
 
   def step():
@@ -79,11 +79,11 @@ def train_runner(package: str, preset: str, dtype: str):
   return step
 
 
-def decode_runner(package: str, preset: str, dtype: str, strategy: str):
+def decode_runner(package: str, preset: str, dtype: str, strategy: str, kernels: str = ""):
   """A function that runs one cached decode call of bench_decode.py's workload."""
   import bench_decode
   decoding = importlib.import_module(package + ".decoding")
-  cfg, params, src = bench_decode.workload(preset, dtype, package=package)
+  cfg, params, src = bench_decode.workload(preset, dtype, package=package, kernels=kernels)
   want = bench_decode.STRATEGIES[strategy]
   strat = getattr(decoding, type(want).__name__)(**vars(want))   # this package's class
 
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ap.add_argument("--strategy", default="greedy", choices=("greedy", "beam4"),
                   help="decode only")
+  ap.add_argument("--kernels", default="",
+                  help="model.kernels of the working tree's side (default: the config's)")
   ap.add_argument("--pairs", type=int, default=12)
   ap.add_argument("--calls", type=int, default=3, help="calls per turn; the best one counts")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "ab.json"))
@@ -135,13 +137,15 @@ def main(argv=None) -> int:
   jax.config.update("jax_enable_compilation_cache", False)
 
   what = (f"{args.mode} {args.preset} {args.dtype}"
-          + (f" {args.strategy}" if args.mode == "decode" else ""))
+          + (f" {args.strategy}" if args.mode == "decode" else "")
+          + (f", the working tree's kernels={args.kernels}" if args.kernels else ""))
   print(f"{what}: {args.commit} ({OLD}) against the working tree, {args.pairs} pairs",
         file=sys.stderr, flush=True)
   runs, first = {}, {}
-  for name, package in (("old", OLD), ("new", "seq2seq")):
-    runs[name] = (train_runner(package, args.preset, args.dtype) if args.mode == "train"
-                  else decode_runner(package, args.preset, args.dtype, args.strategy))
+  for name, package, kernels in (("old", OLD, ""), ("new", "seq2seq", args.kernels)):
+    runs[name] = (train_runner(package, args.preset, args.dtype, kernels)
+                  if args.mode == "train" else
+                  decode_runner(package, args.preset, args.dtype, args.strategy, kernels))
     first[name] = runs[name]()     # compiles
   same = None
   if args.mode == "decode":
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
       commit=args.commit, commit_hash=commit, what=what, pairs=args.pairs, calls=args.calls,
       old_s=times["old"], new_s=times["new"], old_median_s=statistics.median(times["old"]),
       new_median_s=statistics.median(times["new"]), speedup_median=statistics.median(ratios),
-      speedup_range=[min(ratios), max(ratios)], same_tokens=same)
+      speedup_range=[min(ratios), max(ratios)], same_tokens=same, kernels=args.kernels)
   print(f"old {1e3 * result['old_median_s']:.1f} ms, new {1e3 * result['new_median_s']:.1f} ms"
         f" per call (medians); new is {result['speedup_median']:.3f}x as fast (median of "
         f"{args.pairs} pairs, {min(ratios):.3f}-{max(ratios):.3f})"

@@ -86,7 +86,8 @@ def random_sources(vocab_size: int, rows: int, src_len: int) -> np.ndarray:
   return src
 
 
-def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq"):
+def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq",
+             kernels: str = ""):
   """(config, random params cast as `decode` casts them, source batch [B, src_len]) of the
   workload `model`, built by `package` (this seq2seq, or another version: bench/ab.py)."""
   s2s = importlib.import_module(package)
@@ -95,6 +96,8 @@ def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq"
   w = WORKLOADS[model]
   cfg = s2s.get_config(model, vocab_size=w["vocab_size"]).replace(dropout_rate=0.0,
                                                                   dtype=dtype)
+  if kernels:
+    cfg = cfg.replace(kernels=kernels)
   x = jnp.ones((1, 4), jnp.int32)
   params = dec.decode_params(cfg, jax.jit(model_cls(cfg).init)(jax.random.key(0), x, x))
   return cfg, params, random_sources(cfg.vocab_size, w["batch"], src_len)
@@ -172,6 +175,7 @@ def main(argv=None):
   ap.add_argument("--latency_new_tokens", type=int, default=30)
   ap.add_argument("--latency_repeats", type=int, default=20, help="warm calls timed (latency)")
   ap.add_argument("--dtype", default="float32", help="compute dtype (float32 or bfloat16)")
+  ap.add_argument("--kernels", default="", help="model.kernels (default: the config's, auto)")
   ap.add_argument("--f32_dots", default="auto", choices=("auto", "xla", "ynnpack"),
                   help="the f32 loop's dots on CPU: auto = XLA's own dot emitter without "
                        "AVX-512, YNNPACK (XLA's default) with it; xla or ynnpack force one, to "
@@ -185,7 +189,7 @@ def main(argv=None):
   rows, cfgs = [], {}
   for name in args.models.split(","):
     w = WORKLOADS[name]
-    cfg, params, src = workload(name, args.dtype, args.src_len)
+    cfg, params, src = workload(name, args.dtype, args.src_len, kernels=args.kernels)
     src1 = random_sources(cfg.vocab_size, 1, args.latency_src_len)
     cfgs[name] = cfg
     for sname in args.strategies.split(","):

@@ -142,9 +142,10 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
               times_s=times)
 
 
-def workload_config(preset: str, dtype: str, package: str = "seq2seq"):
+def workload_config(preset: str, dtype: str, package: str = "seq2seq", kernels: str = ""):
   """The run's Config: the preset at the workload's vocabulary, batch and length (built by
-  `package`, the seq2seq package or another version of it: bench/ab.py)."""
+  `package`, the seq2seq package or another version of it: bench/ab.py), with
+  model.kernels = `kernels` if given."""
   seq2seq = importlib.import_module(package)
   config = importlib.import_module(package + ".config")
   Config, TrainConfig = config.Config, config.TrainConfig
@@ -154,18 +155,20 @@ def workload_config(preset: str, dtype: str, package: str = "seq2seq"):
       # Also on the FFN's hidden units (not the paper's, nor our default): the workload of
       # every earlier run, and what the peer's nn.Transformer does.
       ffn_dropout_rate=0.1)
+  if kernels:
+    model = model.replace(kernels=kernels)
   return Config(model=model, train=TrainConfig(batch_size=w["batch"], seq_len=w["length"],
                                                label_smoothing=0.1))
 
 
-def workload(preset: str, dtype: str, package: str = "seq2seq"):
+def workload(preset: str, dtype: str, package: str = "seq2seq", kernels: str = ""):
   """(Trainer, initial state, 4 random batches as host arrays, the same as global batches)
   of the workload, built by `package` (see workload_config)."""
   import jax
   import numpy as np
   w = WORKLOADS[preset]
   trainer = importlib.import_module(package + ".train_lib").Trainer(
-      workload_config(preset, dtype, package), bos_id=BOS)
+      workload_config(preset, dtype, package, kernels), bos_id=BOS)
   state = trainer.init(jax.random.key(0))
   jax.block_until_ready(state)
   rng = np.random.default_rng(0)
@@ -173,14 +176,14 @@ def workload(preset: str, dtype: str, package: str = "seq2seq"):
   return trainer, state, local, [trainer.global_batch(b) for b in local]
 
 
-def run_one(preset: str, dtype: str, steps: int, warmup: int) -> dict:
+def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "") -> dict:
   """One (preset, dtype) measurement; meant to run in a fresh process."""
   import jax
   from seq2seq.kernels import malloc
 
   rss_start = _vm_hwm_mb()
   w = WORKLOADS[preset]
-  trainer, state, local, batches = workload(preset, dtype)
+  trainer, state, local, batches = workload(preset, dtype, kernels=kernels)
   model = trainer.cfg.model
   tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
   pad_frac = 1.0 - sum(tgt_tokens) / (len(local) * w["batch"] * w["length"])
@@ -229,6 +232,7 @@ def main(argv=None):
   ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "train.json"))
+  ap.add_argument("--kernels", default="", help="model.kernels (default: the config's, auto)")
   ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
 
@@ -238,7 +242,7 @@ def main(argv=None):
     preset, dtype = args._child.split(",")
     import jax
     jax.config.update("jax_enable_compilation_cache", False)   # compile times from scratch
-    r = run_one(preset, dtype, args.steps, args.warmup)
+    r = run_one(preset, dtype, args.steps, args.warmup, args.kernels)
     print("RESULT " + json.dumps(r), flush=True)
     return
 
@@ -252,7 +256,7 @@ def main(argv=None):
       t = time.perf_counter()
       proc = subprocess.run(
           [sys.executable, os.path.abspath(__file__), "--_child", f"{preset},{dtype}",
-           "--steps", str(args.steps), "--warmup", str(args.warmup)],
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--kernels", args.kernels],
           stdout=subprocess.PIPE, text=True)
       line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
       if proc.returncode != 0 or line is None:
