@@ -3,7 +3,8 @@
     <workdir>/config.json        the whole Config of the run
     <workdir>/vocab.model        the SentencePiece vocabulary
     <workdir>/checkpoints/<step>/state   TrainState (params, optimizer state, step)
-    <workdir>/checkpoints/<step>/meta    JSON: step, data position, config
+    <workdir>/checkpoints/<step>/meta    JSON: step, data position, the checksum of each array
+    <workdir>/train.lock         held by the run training in it (seq2seq.workdir)
     <workdir>/metrics.jsonl, <workdir>/tensorboard/
 
 The workdir alone restores everything: `load_workdir(workdir)` gives config, parameters
@@ -19,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -84,6 +86,10 @@ def _quiet_background_failures() -> None:
   logging.getLogger("absl").addFilter(_Filter())
 
 
+class _Corrupt(ValueError):
+  """A checkpoint that reads back but not as it was written."""
+
+
 class CheckpointWriteError(UserError):
   """A checkpoint could not be written (the disk is full, the directory not writable).
   The checkpoints saved before it are intact."""
@@ -94,6 +100,65 @@ def _is_structure_mismatch(e: BaseException) -> bool:
   its metadata, before any array is read, so the checkpoint itself is sound."""
   return isinstance(e, ValueError) and ("tree structures do not match" in str(e)
                                         or str(e).startswith("Structure mismatch: "))
+
+
+# --- checksums ----------------------------------------------------------------------------
+# Orbax writes arrays through TensorStore (zarr, zstd-compressed, in OCDBT files) with no
+# checksum of the data: a flipped bit reads back as another number. TensorStore's zarr3
+# driver has a crc32c codec, but Orbax puts it only on the shard index, with no option to
+# put it on the data. So each array's checksum is computed from its bits on its devices
+# (any sharding gives the same), stored in the checkpoint's meta item (written with the
+# checkpoint: no checkpoint without it) and compared after a restore.
+
+def _fmix32(h):
+  """MurmurHash3's finaliser: a bijection of uint32 that spreads every input bit."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _array_checksum(x) -> jax.Array:
+  """Two 32-bit sums of every element's bits mixed with its position: [2] uint32."""
+  width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+  index = jnp.zeros(x.shape, jnp.uint32)   # row-major position, from iotas (no reshape:
+  stride = 1                               # a sharded array stays where it is)
+  for d in reversed(range(x.ndim)):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= x.shape[d]
+  a = _fmix32(bits + _fmix32(index * jnp.uint32(2) + jnp.uint32(1)))
+  b = _fmix32(bits ^ _fmix32(index + jnp.uint32(0x9E3779B9)))
+  return jnp.stack([a.sum(dtype=jnp.uint32), b.sum(dtype=jnp.uint32)])
+
+
+@jax.jit
+def _checksums(leaves):
+  return [_array_checksum(x) for x in leaves]
+
+
+def checksums(tree) -> dict[str, str]:
+  """{path: 16 hex digits} of each array of `tree`: the same whatever its sharding."""
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  if not with_paths:
+    return {}
+  paths, leaves = zip(*with_paths)
+  sums = _checksums(list(leaves))
+  return {jax.tree_util.keystr(p, simple=True, separator="/"):
+          "".join(f"{int(v):08x}" for v in np.asarray(s.addressable_data(0)))
+          for p, s in zip(paths, sums)}
+
+
+def _checksum_mismatch(tree, stored: dict | None) -> str:
+  """The first array of `tree` whose checksum differs from `stored` ("" if none; nothing
+  is checked for a checkpoint saved without checksums)."""
+  if not stored:
+    return ""
+  for path, value in checksums(tree).items():
+    if path in stored and stored[path] != value:
+      return path
+  return ""
 
 
 def config_path(workdir) -> Path:
@@ -124,12 +189,14 @@ def write_config(workdir, cfg: Config) -> None:
 
 class Checkpoints:
   """Orbax `CheckpointManager` over `<workdir>/checkpoints`: async saves, keep the last K,
-  restore the newest checkpoint that reads back, skipping broken ones with a warning."""
+  restore the newest checkpoint that reads back and matches its checksums, skipping broken
+  ones with a warning."""
 
   def __init__(self, workdir, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = (Path(workdir) / CKPT_DIR).absolute()
     self.read_only = read_only
     self._saving: int | None = None   # the step of the last save started
+    self._failed = False              # a save failed: its threads are not waited for
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=async_save)
@@ -145,10 +212,12 @@ class Checkpoints:
     """Starts writing `step` (async); a failure of it, or of the save before it, raises
     CheckpointWriteError here or in `wait`."""
     _quiet_background_failures()
+    meta = dict(meta, checksums=checksums(state))
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as e:   # e.g. the previous async save failed: the disk is full
+      self._failed = True
       raise self._write_error(e) from None
     self._saving = step
 
@@ -186,8 +255,12 @@ class Checkpoints:
       try:
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=to_read, meta=ocp.args.JsonRestore()))
-        state = restored["state"]
-        return (state["params"] if params_only else state), restored["meta"]
+        state, meta = restored["state"], restored["meta"]
+        bad = _checksum_mismatch(state, meta.get("checksums"))
+        if bad:
+          raise _Corrupt(f"the checksum of {bad} does not match (the file changed after it "
+                         f"was written)")
+        return (state["params"] if params_only else state), meta
       except Exception as e:  # a partial or corrupt checkpoint: fall back to the previous one
         msg = _first_line(e)
         if _is_structure_mismatch(e):
@@ -229,13 +302,19 @@ class Checkpoints:
     try:
       self.manager.wait_until_finished()
     except Exception as e:
+      self._failed = True
       raise self._write_error(e) from None
 
   def close(self) -> None:
+    """Waits for the last save and closes; after a failed save, returns at once: Orbax's
+    threads of a failed save can wait minutes for writes that never come."""
+    if self._failed:
+      return
     try:
       self.wait()
     finally:
-      self.manager.close()
+      if not self._failed:
+        self.manager.close()
 
 
 def local_abstract_state(cfg: Config):
@@ -282,8 +361,10 @@ def _refuse_url(workdir) -> None:
 
 
 def workdir_path(workdir, must_exist: bool = True) -> Path:
-  """The workdir as a Path, or a one-line UserError for a URL, a file, or (if it must exist)
-  a missing one."""
+  """The workdir as a Path, or a one-line UserError for "", a URL, a file, or (if it must
+  exist) a missing one."""
+  if not str(workdir).strip():   # Path("") is the current directory
+    raise UserError("workdir is empty: give a directory (--workdir DIR)")
   _refuse_url(workdir)
   path = Path(workdir)
   if path.exists() and not path.is_dir():
