@@ -55,7 +55,8 @@ def _is_read_debris(e: BaseException | str | None) -> bool:
 # Orbax's reports, from its background threads, of a failed save: the same error reaches
 # the main thread (`Checkpoints.save`/`wait`), which says it in one line.
 _SAVE_FAILURE_LOG = re.compile(r"_SignalingThread\.run\(\) raised an exception|in background "
-                               r"save thread|Save Finalize thread .* failed")
+                               r"save thread|Save Finalize thread .* failed|Failed to "
+                               r"(write|update) metadata=")
 
 _QUIETED = False
 
