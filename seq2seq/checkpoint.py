@@ -12,6 +12,8 @@ and tokenizer, with no flags.
 """
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import os
@@ -120,23 +122,32 @@ def _fmix32(h):
   return h ^ (h >> 16)
 
 
-def _array_checksum(x) -> jax.Array:
-  """Two 32-bit sums of every element's bits mixed with its position: [2] uint32."""
-  width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-  bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-  index = jnp.zeros(x.shape, jnp.uint32)   # row-major position, from iotas (no reshape:
-  stride = 1                               # a sharded array stays where it is)
-  for d in reversed(range(x.ndim)):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= x.shape[d]
-  a = _fmix32(bits + _fmix32(index * jnp.uint32(2) + jnp.uint32(1)))
-  b = _fmix32(bits ^ _fmix32(index + jnp.uint32(0x9E3779B9)))
-  return jnp.stack([a.sum(dtype=jnp.uint32), b.sum(dtype=jnp.uint32)])
+_CHUNK = 1 << 14
 
 
-@jax.jit
-def _checksums(leaves):
-  return [_array_checksum(x) for x in leaves]
+def _layout(sizes: list[int]) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+  """Each array is padded with zeros to whole chunks: (its padding, the position within its
+  array of each chunk's first element, the index of each array's first chunk)."""
+  chunks = [max(-(-n // _CHUNK), 1) for n in sizes]
+  pads = tuple(k * _CHUNK - n for n, k in zip(sizes, chunks))
+  first = np.concatenate([np.arange(k, dtype=np.int64) * _CHUNK for k in chunks])
+  return pads, (first % 2**32).astype(np.uint32), np.cumsum([0] + chunks[:-1])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _chunk_sums(leaves, pads, first):
+  """Two 32-bit sums per chunk of every element's bits mixed with its position in its
+  array. One program for the whole tree: a program per array compiles for minutes on CPU."""
+  bits = []
+  for x, pad in zip(leaves, pads):
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    b = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
+    bits.append(jnp.pad(b, (0, pad)))
+  flat = jnp.concatenate(bits).reshape(-1, _CHUNK)
+  index = first[:, None] + jax.lax.broadcasted_iota(jnp.uint32, flat.shape, 1)
+  a = _fmix32(flat + index * jnp.uint32(0x9E3779B1))
+  b = _fmix32(flat ^ (index * jnp.uint32(0x85EBCA77) + jnp.uint32(0x165667B1)))
+  return jnp.stack([a.sum(1, dtype=jnp.uint32), b.sum(1, dtype=jnp.uint32)], -1)
 
 
 def checksums(tree) -> dict[str, str]:
@@ -145,17 +156,28 @@ def checksums(tree) -> dict[str, str]:
   if not with_paths:
     return {}
   paths, leaves = zip(*with_paths)
-  sums = _checksums(list(leaves))
-  return {jax.tree_util.keystr(p, simple=True, separator="/"):
-          "".join(f"{int(v):08x}" for v in np.asarray(s.addressable_data(0)))
-          for p, s in zip(paths, sums)}
+  pads, first, starts = _layout([x.size for x in leaves])
+  sums = _chunk_sums(list(leaves), pads, first)
+  sums = np.asarray(sums.addressable_data(0)).astype(np.uint64)
+  per_array = np.add.reduceat(sums, starts, axis=0) % 2**32
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): f"{a:08x}{b:08x}"
+          for p, (a, b) in zip(paths, per_array.tolist())}
 
 
-def _checksum_mismatch(tree, stored: dict | None) -> str:
-  """The first array of `tree` whose checksum differs from `stored` ("" if none; nothing
-  is checked for a checkpoint saved without checksums)."""
-  if not stored:
+# Named in each checkpoint: one written with another definition is not checked against it.
+CHECKSUM_ALGORITHM = "fmix32x2-chunk16384-v1"
+
+
+def _checksum_record(tree) -> dict:
+  return {"algorithm": CHECKSUM_ALGORITHM, "arrays": checksums(tree)}
+
+
+def _checksum_mismatch(tree, record: dict | None) -> str:
+  """The first array of `tree` whose checksum differs from the one `record` holds ("" if
+  none; nothing is checked for a checkpoint saved without checksums, or with others)."""
+  if not isinstance(record, dict) or record.get("algorithm") != CHECKSUM_ALGORITHM:
     return ""
+  stored = record.get("arrays") or {}
   for path, value in checksums(tree).items():
     if path in stored and stored[path] != value:
       return path
@@ -213,7 +235,7 @@ class Checkpoints:
     """Starts writing `step` (async); a failure of it, or of the save before it, raises
     CheckpointWriteError here or in `wait`."""
     _quiet_background_failures()
-    meta = dict(meta, checksums=checksums(state))
+    meta = dict(meta, checksums=_checksum_record(state))
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -226,8 +248,10 @@ class Checkpoints:
     # The failed save's other writes are dropped unfinished: Python would warn of each.
     warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     code = re.search(r"os_error_code='(\d+)'", str(e))
+    missing = re.match(r"NOT_FOUND: |Checkpoint directory does not exist: ", str(e))
     why = (os.strerror(int(code.group(1))) if code else
-           e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e))
+           e.strerror if isinstance(e, OSError) and e.strerror else
+           os.strerror(errno.ENOENT) if missing else _first_line(e))
     where = self.directory if self._saving is None else self.directory / str(self._saving)
     return CheckpointWriteError(f"cannot write checkpoint {where}: {why} (the checkpoints "
                                 f"saved before it are intact)")

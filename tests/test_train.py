@@ -21,6 +21,7 @@ import train as train_script  # noqa: E402
 
 from seq2seq import checkpoint as ckpt_lib  # noqa: E402
 from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
+from seq2seq.state import abstract_state  # noqa: E402
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def test_broken_latest_checkpoint_falls_back_with_warning(trained, tmp_path):
     if f.is_file():
       f.write_bytes(b"garbage")
   before = tree_hash(workdir / "checkpoints" / "30")
-  abstract = ckpt_lib.abstract_state(ckpt_lib.read_config(workdir))
+  abstract = abstract_state(ckpt_lib.read_config(workdir))
   reader = ckpt_lib.Checkpoints(workdir, read_only=True)     # decode.py: skips, moves nothing
   with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*30: "):
     assert reader.restore(abstract)[1]["step"] == 20
@@ -303,20 +304,20 @@ def test_read_debris_covers_tensorstore_errors_of_other_reads():
 
 
 @pytest.mark.slow
-def test_nonfinite_parameters_stop_the_run_before_any_checkpoint(corpus, trained, tmp_path):
-  """A learning rate past validation's bound (set around it: validation refuses it) makes the
-  parameters infinite at step 1 with a finite loss; the run stops naming that step and no
-  checkpoint of them is written (one used to be, and every resume failed)."""
-  from seq2seq import train_lib
+def test_nonfinite_parameters_stop_the_run_before_any_checkpoint(corpus, trained, tmp_path,
+                                                                capsys, monkeypatch):
+  """A learning rate past validation's bound (lifted here) makes the parameters infinite at
+  step 1 with a finite loss; the run stops naming that step and no checkpoint of them is
+  written (one used to be, and every resume failed)."""
+  from seq2seq import config
+  monkeypatch.setattr(config, "MAX_PEAK_LEARNING_RATE", float("inf"))
   _, data_dir = trained
-  args, overrides = train_script.parse_args(tiny_args(corpus, tmp_path / "w", data_dir, 20, [
-      "--config.train.checkpoint_every=1", "--config.train.log_every=1"]))
-  cfg = train_lib.resolve_config(args.workdir, args.config,
-                                 train_script.config_items(args, overrides) + overrides)
-  object.__setattr__(cfg.train, "learning_rate_scale", 1e40)
-  with pytest.raises(train_lib.NonFiniteLoss, match="^non-finite parameters after the update "
-                     "of step 1: stopped; no checkpoint was written after it"):
-    train_lib.train(cfg, args.workdir, progress=False)
+  assert train_script.main(tiny_args(corpus, tmp_path / "w", data_dir, 20, [
+      "--config.train.learning_rate_scale=1e40", "--config.train.checkpoint_every=1",
+      "--config.train.log_every=1"])) == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last == ("error: non-finite parameters after the update of step 1: stopped; no "
+                  "checkpoint was written after it (lower the learning rate?)"), last
   assert not (tmp_path / "w" / "checkpoints").exists() or not any(
       (tmp_path / "w" / "checkpoints").iterdir())
   assert not (tmp_path / "w" / "config.json").exists()   # no run: the workdir binds nothing
@@ -399,8 +400,9 @@ def test_a_refused_new_run_leaves_nothing_and_the_corrected_command_runs(corpus,
   args[args.index("--train_files") + 1] = str(long_pairs)
   assert train_script.main(args) == 2
   err = capsys.readouterr().err.strip()
-  assert err.startswith("error: all 200 training pairs of shard 0 are longer"), err
-  assert "\n" not in err
+  assert err.splitlines()[-1].startswith("error: all 200 training pairs of shard 0 are "
+                                         "longer"), err
+  assert "Traceback" not in err
   assert list(tmp_path.iterdir()) == [long_pairs.parent]
   assert train_script.main(tiny_args(corpus, workdir, data_dir, 2,
                                      ["--config.model.d_ff=32"])) == 0
@@ -468,7 +470,7 @@ def test_a_checkpoint_of_another_optimizer_is_an_error_not_debris(trained, tmp_p
   cfg = ckpt_lib.read_config(workdir)
   other = cfg.replace(train=cfg.train.replace(weight_decay=0.1))
   with pytest.raises(ckpt_lib.UserError, match="another structure than this run's"):
-    ckpt_lib.Checkpoints(workdir).restore(ckpt_lib.abstract_state(other))
+    ckpt_lib.Checkpoints(workdir).restore(abstract_state(other))
   assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
   assert not (workdir / ckpt_lib.UNREADABLE_DIR).exists()
 
@@ -567,8 +569,7 @@ def test_a_save_whose_directory_vanishes_ends_the_run_in_one_line_at_once(corpus
   assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
   last = err.strip().splitlines()[-1]
   assert last.startswith(f"error: cannot write checkpoint {checkpoints.absolute()}/"), last
-  assert last.endswith(": No such file or directory (the checkpoints saved before it are "
-                       "intact)"), last
+  assert last.endswith(" (the checkpoints saved before it are intact)"), last
   params_of(workdir)   # the newest checkpoint left reads back
   assert not (workdir / "train.lock").exists()
 

@@ -26,11 +26,14 @@ from seq2seq.errors import UserError  # noqa: E402
 
 # --- checksums ----------------------------------------------------------------------------
 
-def numpy_checksum(x: np.ndarray) -> str:
-  """The checksum as its definition reads, in NumPy (uint64 arithmetic, masked)."""
+def numpy_checksum(x: np.ndarray, chunk=2 ** 14) -> str:
+  """The checksum as its definition reads, in NumPy (uint64 arithmetic, masked): two sums
+  over the array's bits, padded with zeros to whole chunks, each mixed with its position."""
   m = 2 ** 32 - 1
   bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
   bits = bits.astype(np.uint64).ravel()
+  bits = np.concatenate([bits, np.zeros(max(-(-bits.size // chunk), 1) * chunk - bits.size,
+                                        np.uint64)])
   index = np.arange(bits.size, dtype=np.uint64)
 
   def fmix(h):
@@ -40,8 +43,8 @@ def numpy_checksum(x: np.ndarray) -> str:
     h ^= h >> 13
     h = (h * 0xC2B2AE35) & m
     return h ^ (h >> 16)
-  a = fmix(bits + fmix(index * 2 + 1))
-  b = fmix(bits ^ fmix(index + 0x9E3779B9))
+  a = fmix(bits + index * 0x9E3779B1)
+  b = fmix(bits ^ ((index * 0x85EBCA77 + 0x165667B1) & m))
   return f"{int(a.sum()) & m:08x}{int(b.sum()) & m:08x}"
 
 
@@ -49,6 +52,7 @@ def test_checksum_is_its_definition_and_sees_every_bit():
   rng = np.random.default_rng(0)
   arrays = {"f32": rng.normal(size=(3, 5, 7)).astype(np.float32),
             "bf16": rng.normal(size=(33, 9)).astype(jnp.bfloat16),
+            "big": rng.normal(size=(2, 3 * 2 ** 14 + 5)).astype(np.float32),   # 7 chunks
             "step": np.int32(1234)}
   got = ckpt_lib.checksums(jax.tree_util.tree_map(jnp.asarray, arrays))
   assert got == {k: numpy_checksum(np.asarray(v)) for k, v in arrays.items()}
