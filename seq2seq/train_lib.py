@@ -372,10 +372,9 @@ def check_runnable(cfg: Config) -> None:
   if shards % hosts or t.batch_size % shards:
     raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
                     f"({hosts}) and divide batch_size ({t.batch_size})")
-  if (t.batch_size // t.grad_accum_steps) % devices:
-    raise UserError(f"batch_size {t.batch_size} (per micro-batch: "
-                    f"{t.batch_size // t.grad_accum_steps}) must be divisible by the number "
-                    f"of devices ({devices})")
+  if t.batch_size % devices:   # each device takes an equal part of every batch
+    raise UserError(f"batch_size {t.batch_size} must be divisible by the number of devices "
+                    f"({devices})")
 
 
 # What a run writes into its workdir before it trains: removed again if it is refused.
