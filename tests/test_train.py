@@ -304,6 +304,7 @@ def test_read_debris_covers_tensorstore_errors_of_other_reads():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")   # 1e40 as float32
 def test_nonfinite_parameters_stop_the_run_before_any_checkpoint(corpus, trained, tmp_path,
                                                                 capsys, monkeypatch):
   """A learning rate past validation's bound (lifted here) makes the parameters infinite at

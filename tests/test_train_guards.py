@@ -127,6 +127,7 @@ def _batch():
           "tgt": jnp.asarray(rng.integers(3, 29, (4, 6)), jnp.int32).at[1, 4:].set(0)}
 
 
+@pytest.mark.slow   # compiles two train steps (~30 s on 2 busy cores)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_parameters_train_with_float32_adam(dtype):
   """Parameters stay in param_dtype; Adam's moments and the update are float32 (the update
@@ -173,6 +174,7 @@ def _losses(cfg, state, steps=30):
   return losses
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")   # 1e40 as float32
 def test_an_update_that_makes_parameters_non_finite_is_flagged():
   """The loss and gradients of step 1 are finite, the parameters after it are not (a
   learning rate past what validation lets through): flagged, so that no checkpoint of them
