@@ -102,14 +102,17 @@ def main(argv=None) -> int:
   import jax
   if jax.process_index() == 0:
     print(train_lib.summary(result))
-  return 0
+  # Stopped by SIGTERM (preemption) before the run finished: saved, but not done. Exit as a
+  # process killed by SIGTERM would (128 + 15), so that a scheduler (SLURM, Kubernetes)
+  # reruns it rather than taking it for finished.
+  return 143 if result.stopped_early else 0
 
 
 if __name__ == "__main__":
   code = main()
-  if code == 130:  # Ctrl-C: everything is saved; skip the interpreter's teardown, which can
-    sys.stdout.flush()  # crash while XLA's and the input pipeline's threads still run
-    sys.stderr.flush()
+  if code != 0:  # skip the interpreter's teardown: it can crash while XLA's and the input
+    sys.stdout.flush()  # pipeline's threads still run (Ctrl-C), or wait minutes for the
+    sys.stderr.flush()  # threads of a failed checkpoint write; what was saved is on disk
     import os
     os._exit(code)
   sys.exit(code)

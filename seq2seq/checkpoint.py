@@ -3,7 +3,8 @@
     <workdir>/config.json        the whole Config of the run
     <workdir>/vocab.model        the SentencePiece vocabulary
     <workdir>/checkpoints/<step>/state   TrainState (params, optimizer state, step)
-    <workdir>/checkpoints/<step>/meta    JSON: step, data position, config
+    <workdir>/checkpoints/<step>/meta    JSON: step, data position, the checksum of each array
+    <workdir>/train.lock         held by the run training in it (seq2seq.workdir)
     <workdir>/metrics.jsonl, <workdir>/tensorboard/
 
 The workdir alone restores everything: `load_workdir(workdir)` gives config, parameters
@@ -12,6 +13,8 @@ and tokenizer, with no flags.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
 import logging
 import os
@@ -20,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -54,7 +58,8 @@ def _is_read_debris(e: BaseException | str | None) -> bool:
 # Orbax's reports, from its background threads, of a failed save: the same error reaches
 # the main thread (`Checkpoints.save`/`wait`), which says it in one line.
 _SAVE_FAILURE_LOG = re.compile(r"_SignalingThread\.run\(\) raised an exception|in background "
-                               r"save thread|Save Finalize thread .* failed")
+                               r"save thread|Save Finalize thread .* failed|Failed to "
+                               r"(write|update) metadata=")
 
 _QUIETED = False
 
@@ -85,6 +90,10 @@ def _quiet_background_failures() -> None:
   logging.getLogger("absl").addFilter(_Filter())
 
 
+class _Corrupt(ValueError):
+  """A checkpoint that reads back but not as it was written."""
+
+
 class CheckpointWriteError(UserError):
   """A checkpoint could not be written (the disk is full, the directory not writable).
   The checkpoints saved before it are intact."""
@@ -95,6 +104,85 @@ def _is_structure_mismatch(e: BaseException) -> bool:
   its metadata, before any array is read, so the checkpoint itself is sound."""
   return isinstance(e, ValueError) and ("tree structures do not match" in str(e)
                                         or str(e).startswith("Structure mismatch: "))
+
+
+# --- checksums ----------------------------------------------------------------------------
+# Orbax writes arrays through TensorStore (zarr, zstd-compressed, in OCDBT files) with no
+# checksum of the data: a flipped bit reads back as another number. TensorStore's zarr3
+# driver has a crc32c codec, but Orbax puts it only on the shard index, with no option to
+# put it on the data. So each array's checksum is computed from its bits on its devices
+# (any sharding gives the same), stored in the checkpoint's meta item (written with the
+# checkpoint: no checkpoint without it) and compared after a restore.
+
+def _fmix32(h):
+  """MurmurHash3's finaliser: a bijection of uint32 that spreads every input bit."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+_CHUNK = 1 << 14
+
+
+def _layout(sizes: list[int]) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+  """Each array is padded with zeros to whole chunks: (its padding, the position within its
+  array of each chunk's first element, the index of each array's first chunk)."""
+  chunks = [max(-(-n // _CHUNK), 1) for n in sizes]
+  pads = tuple(k * _CHUNK - n for n, k in zip(sizes, chunks))
+  first = np.concatenate([np.arange(k, dtype=np.int64) * _CHUNK for k in chunks])
+  return pads, (first % 2**32).astype(np.uint32), np.cumsum([0] + chunks[:-1])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _chunk_sums(leaves, pads, first):
+  """Two 32-bit sums per chunk of every element's bits mixed with its position in its
+  array. One program for the whole tree: a program per array compiles for minutes on CPU."""
+  bits = []
+  for x, pad in zip(leaves, pads):
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    b = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
+    bits.append(jnp.pad(b, (0, pad)))
+  flat = jnp.concatenate(bits).reshape(-1, _CHUNK)
+  index = first[:, None] + jax.lax.broadcasted_iota(jnp.uint32, flat.shape, 1)
+  a = _fmix32(flat + index * jnp.uint32(0x9E3779B1))
+  b = _fmix32(flat ^ (index * jnp.uint32(0x85EBCA77) + jnp.uint32(0x165667B1)))
+  return jnp.stack([a.sum(1, dtype=jnp.uint32), b.sum(1, dtype=jnp.uint32)], -1)
+
+
+def checksums(tree) -> dict[str, str]:
+  """{path: 16 hex digits} of each array of `tree`: the same whatever its sharding."""
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  if not with_paths:
+    return {}
+  paths, leaves = zip(*with_paths)
+  pads, first, starts = _layout([x.size for x in leaves])
+  sums = _chunk_sums(list(leaves), pads, first)
+  sums = np.asarray(sums.addressable_data(0)).astype(np.uint64)
+  per_array = np.add.reduceat(sums, starts, axis=0) % 2**32
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): f"{a:08x}{b:08x}"
+          for p, (a, b) in zip(paths, per_array.tolist())}
+
+
+# Named in each checkpoint: one written with another definition is not checked against it.
+CHECKSUM_ALGORITHM = "fmix32x2-chunk16384-v1"
+
+
+def _checksum_record(tree) -> dict:
+  return {"algorithm": CHECKSUM_ALGORITHM, "arrays": checksums(tree)}
+
+
+def _checksum_mismatch(tree, record: dict | None) -> str:
+  """The first array of `tree` whose checksum differs from the one `record` holds ("" if
+  none; nothing is checked for a checkpoint saved without checksums, or with others)."""
+  if not isinstance(record, dict) or record.get("algorithm") != CHECKSUM_ALGORITHM:
+    return ""
+  stored = record.get("arrays") or {}
+  for path, value in checksums(tree).items():
+    if path in stored and stored[path] != value:
+      return path
+  return ""
 
 
 def config_path(workdir) -> Path:
@@ -125,12 +213,14 @@ def write_config(workdir, cfg: Config) -> None:
 
 class Checkpoints:
   """Orbax `CheckpointManager` over `<workdir>/checkpoints`: async saves, keep the last K,
-  restore the newest checkpoint that reads back, skipping broken ones with a warning."""
+  restore the newest checkpoint that reads back and matches its checksums, skipping broken
+  ones with a warning."""
 
   def __init__(self, workdir, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = (Path(workdir) / CKPT_DIR).absolute()
     self.read_only = read_only
     self._saving: int | None = None   # the step of the last save started
+    self._failed = False              # a save failed: its threads are not waited for
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=async_save)
@@ -146,10 +236,12 @@ class Checkpoints:
     """Starts writing `step` (async); a failure of it, or of the save before it, raises
     CheckpointWriteError here or in `wait`."""
     _quiet_background_failures()
+    meta = dict(meta, checksums=_checksum_record(state))
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as e:   # e.g. the previous async save failed: the disk is full
+      self._failed = True
       raise self._write_error(e) from None
     self._saving = step
 
@@ -157,8 +249,10 @@ class Checkpoints:
     # The failed save's other writes are dropped unfinished: Python would warn of each.
     warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     code = re.search(r"os_error_code='(\d+)'", str(e))
+    missing = re.match(r"NOT_FOUND: |Checkpoint directory does not exist: ", str(e))
     why = (os.strerror(int(code.group(1))) if code else
-           e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e))
+           e.strerror if isinstance(e, OSError) and e.strerror else
+           os.strerror(errno.ENOENT) if missing else _first_line(e))
     where = self.directory if self._saving is None else self.directory / str(self._saving)
     return CheckpointWriteError(f"cannot write checkpoint {where}: {why} (the checkpoints "
                                 f"saved before it are intact)")
@@ -187,8 +281,12 @@ class Checkpoints:
       try:
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=to_read, meta=ocp.args.JsonRestore()))
-        state = restored["state"]
-        return (state["params"] if params_only else state), restored["meta"]
+        state, meta = restored["state"], restored["meta"]
+        bad = _checksum_mismatch(state, meta.get("checksums"))
+        if bad:
+          raise _Corrupt(f"the checksum of {bad} does not match (the file changed after it "
+                         f"was written)")
+        return (state["params"] if params_only else state), meta
       except Exception as e:  # a partial or corrupt checkpoint: fall back to the previous one
         msg = _first_line(e)
         if _is_structure_mismatch(e):
@@ -230,13 +328,19 @@ class Checkpoints:
     try:
       self.manager.wait_until_finished()
     except Exception as e:
+      self._failed = True
       raise self._write_error(e) from None
 
   def close(self) -> None:
+    """Waits for the last save and closes; after a failed save, returns at once: Orbax's
+    threads of a failed save can wait minutes for writes that never come."""
+    if self._failed:
+      return
     try:
       self.wait()
     finally:
-      self.manager.close()
+      if not self._failed:
+        self.manager.close()
 
 
 def local_abstract_state(cfg: Config):
@@ -283,8 +387,10 @@ def _refuse_url(workdir) -> None:
 
 
 def workdir_path(workdir, must_exist: bool = True) -> Path:
-  """The workdir as a Path, or a one-line UserError for a URL, a file, or (if it must exist)
-  a missing one."""
+  """The workdir as a Path, or a one-line UserError for "", a URL, a file, or (if it must
+  exist) a missing one."""
+  if not str(workdir).strip():   # Path("") is the current directory
+    raise UserError("workdir is empty: give a directory (--workdir DIR)")
   _refuse_url(workdir)
   path = Path(workdir)
   if path.exists() and not path.is_dir():

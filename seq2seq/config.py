@@ -162,6 +162,10 @@ class TrainConfig:
       _check(isinstance(v, int) and v > 0, f"{name} must be a positive integer, got {v!r}")
     _check(0.0 <= self.label_smoothing < 1.0,
            f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+    for name in ("learning_rate_scale", "adam_eps", "weight_decay", "clip_grad_norm"):
+      v = getattr(self, name)
+      _check(isinstance(v, (int, float)) and math.isfinite(v),
+             f"{name} must be a finite number, got {v!r}")
     _check(self.learning_rate_scale > 0, "learning_rate_scale must be > 0")
     for name in ("adam_b1", "adam_b2"):
       _check(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got "
@@ -189,6 +193,21 @@ class TrainConfig:
     return dataclasses.replace(self, **kw)
 
 
+# Adam moves each weight by about the learning rate per step (its update is m/sqrt(v), about
+# 1 per coordinate), while a Transformer's weights start at about d_model^-0.5 (0.04 for the
+# base model) and its LayerNorm gains at 1: from a learning rate of 1 on, every step moves
+# every weight by more than its whole size, and no run trains. The recipes here peak at
+# 7e-4 (the paper's base) to 3.6e-3 (numbers): the bound is 280 times the highest.
+MAX_PEAK_LEARNING_RATE = 1.0
+
+
+def peak_learning_rate(cfg: "Config") -> float:
+  """The schedule's highest value: scale · d_model^-0.5 · warmup^-0.5, at the last warmup
+  step (seq2seq.optim.warmup_rsqrt_schedule)."""
+  t = cfg.train
+  return t.learning_rate_scale * cfg.model.d_model ** -0.5 * t.warmup_steps ** -0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Everything about one run. Written to `<workdir>/config.json`."""
@@ -203,6 +222,12 @@ class Config:
       v = getattr(self.data, name)
       _check(v <= self.model.max_len, f"data.{name} ({v}) must be <= model.max_len "
              f"({self.model.max_len}), the longest sequence the positions cover")
+    peak = peak_learning_rate(self)
+    _check(peak <= MAX_PEAK_LEARNING_RATE,
+           f"learning_rate_scale {self.train.learning_rate_scale:g} gives a peak learning rate "
+           f"of {peak:.3g} (d_model {self.model.d_model}, warmup_steps "
+           f"{self.train.warmup_steps}); at most {MAX_PEAK_LEARNING_RATE:g} trains (the "
+           f"paper's base model peaks at 7e-4)")
     files = [n for n in ("train_files", "validation_files", "test_files")
              if getattr(self.data, n)]
     _check(not files or self.data.dataset == "parallel_text",

@@ -32,11 +32,19 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
                         clip_grad_norm=t.clip_grad_norm, weight_decay=t.weight_decay)
 
 
+def as_float32(tree):
+  """Floating leaves as float32. Adam's moments and updates are kept in float32 whatever
+  model.param_dtype is: a bfloat16 second moment loses the small squared gradients, and
+  the update is cast to the parameters' dtype only when applied (optax.apply_updates)."""
+  return jax.tree_util.tree_map(
+      lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 def init_state(cfg: Config, rng: jax.Array) -> TrainState:
   dummy = jnp.ones((1, 8), jnp.int32)
   params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer(cfg).init(params))
+                    opt_state=optimizer(cfg).init(as_float32(params)))
 
 
 def abstract_state(cfg: Config) -> TrainState:

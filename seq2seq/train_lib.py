@@ -31,7 +31,7 @@ from seq2seq.errors import UserError
 from seq2seq.kernels import malloc
 from seq2seq.losses import accuracy, cross_entropy, shift_right
 from seq2seq.model import Transformer, head_weights
-from seq2seq.state import TrainState, init_state, optimizer, schedule
+from seq2seq.state import TrainState, as_float32, init_state, optimizer, schedule
 
 
 class NonFiniteLoss(UserError):
@@ -68,7 +68,9 @@ def loss_and_metrics(cfg: Config, params, batch: dict, bos_id: int, *, train: bo
 def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> tuple:
   """One update. Gradients are of the summed loss over the whole (global) batch divided by
   its number of target tokens, so the result does not depend on how the batch is split
-  across devices or micro-batches. A non-finite loss leaves the state unchanged."""
+  across devices or micro-batches. A non-finite loss or gradient leaves the state unchanged;
+  an update that makes the parameters or Adam's moments non-finite is kept but flagged like
+  it (`first_bad_update`): the loop stops before it saves a checkpoint either way."""
   rng = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
   grad_fn = jax.grad(lambda p, b, r: loss_and_metrics(cfg, p, b, bos_id, train=True, rng=r),
                      has_aux=True)
@@ -87,21 +89,30 @@ def train_step(state: TrainState, batch: dict, *, cfg: Config, bos_id: int) -> t
         "loss_sum": jnp.zeros(()), "tokens": jnp.zeros(()), "correct": jnp.zeros(())}))
     (grads, m), _ = jax.lax.scan(body, zeros, jnp.arange(k))
   n = jnp.maximum(m["tokens"], 1.0)
-  grads = jax.tree_util.tree_map(lambda g: g / n, grads)
+  grads = jax.tree_util.tree_map(lambda g: g / n, as_float32(grads))
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(m["loss_sum"]) & jnp.isfinite(grad_norm)
 
-  def update(s: TrainState) -> TrainState:
+  def update(s: TrainState):
     updates, opt_state = optimizer(cfg).update(grads, s.opt_state, s.params)
-    return TrainState(step=s.step + 1, params=optax.apply_updates(s.params, updates),
-                      opt_state=opt_state)
+    params = optax.apply_updates(s.params, updates)
+    return (TrainState(step=s.step + 1, params=params, opt_state=opt_state),
+            _all_finite((params, opt_state)))
 
   # A branch, not a select of old and new state: updates Adam's state in place (a select
   # makes XLA copy every moment buffer: ~4x the optimizer's time).
-  new = jax.lax.cond(finite, update, lambda s: s.replace(step=s.step + 1), state)
+  new, updated_finite = jax.lax.cond(
+      finite, update, lambda s: (s.replace(step=s.step + 1), jnp.array(True)), state)
   m = dict(m, grad_norm=grad_norm,
-           first_bad_step=jnp.where(finite, _NO_STEP, state.step + 1))
+           first_bad_step=jnp.where(finite, _NO_STEP, state.step + 1),
+           first_bad_update=jnp.where(finite & updated_finite, _NO_STEP, state.step + 1))
   return new, m
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
 _NO_STEP = 2 ** 30
@@ -111,7 +122,7 @@ _DEBUG_SIGKILL_AT = int(os.environ.get("SEQ2SEQ_DEBUG_SIGKILL_AT_STEP", "-1"))
 def _accumulate(acc: dict | None, m: dict) -> dict:
   if acc is None:
     return m
-  return {k: jnp.minimum(acc[k], v) if k == "first_bad_step" else acc[k] + v
+  return {k: jnp.minimum(acc[k], v) if k.startswith("first_bad_") else acc[k] + v
           for k, v in m.items()}
 
 
@@ -270,6 +281,7 @@ def _print(*a, **kw):
 def resolve_config(workdir, name: str | None = None, overrides: list[str] = ()) -> Config:
   """The run's Config: the workdir's own when resuming (unless `name` is given), else the
   experiment `name` (default "numbers"); then the `KEY=VALUE` overrides."""
+  ckpt_lib.workdir_path(workdir, must_exist=False)   # not "", a URL or a file
   base = ckpt_lib.read_config(workdir) if Path(workdir).is_dir() and name is None else None
   if base is None:
     name = name or "numbers"
@@ -364,33 +376,89 @@ def summary(r: "TrainResult") -> str:
   return "\n".join(lines)
 
 
-def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[[int, dict], None] | None = None
-          ) -> TrainResult:
-  """Trains (or resumes) `cfg` in `workdir`. Returns the final metrics."""
-  from seq2seq.data import load_dataset
-  t_start = time.time()
-  made = [d for d in (Path(workdir), *Path(workdir).parents) if not d.exists()]
-  try:
-    cfg = prepare_workdir(cfg, workdir)
-    ds = load_dataset(cfg, workdir)
-  except BaseException:   # e.g. a misspelt dataset: leave no empty workdir behind
-    for d in made:        # deepest first; stops at the first that holds something
-      try:
-        d.rmdir()
-      except OSError:
-        break
-    raise
-  cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
-  resuming = ckpt_lib.config_path(workdir).exists()   # (prepare_workdir has read it)
-  if _is_main() and not resuming:   # a new run's config goes with the vocabulary just made
-    ckpt_lib.write_config(workdir, cfg)
-  trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
-  tc = cfg.train
-  ckpts = ckpt_lib.Checkpoints(workdir, keep=tc.keep_checkpoints)
+def check_runnable(cfg: Config) -> None:
+  """What can refuse `cfg` on these devices and hosts before any data is read: the mesh and
+  how the batch splits over hosts, shards and devices. Checked before anything is written."""
+  t = cfg.train
+  hosts, devices = jax.process_count(), jax.device_count()
+  shd.parse_mesh_shape(t.mesh_shape, devices)
+  if t.batch_size % hosts:
+    raise UserError(f"batch_size {t.batch_size} is not divisible by the number of hosts "
+                    f"({hosts})")
+  shards = cfg.data.num_shards or hosts
+  if shards % hosts or t.batch_size % shards:
+    raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
+                    f"({hosts}) and divide batch_size ({t.batch_size})")
+  if t.batch_size % devices:   # each device takes an equal part of every batch
+    raise UserError(f"batch_size {t.batch_size} must be divisible by the number of devices "
+                    f"({devices})")
 
-  restored = ckpts.restore(trainer.abstract_state)
+
+# What a run writes into its workdir before it trains: removed again if it is refused.
+_RUN_FILES = (ckpt_lib.CONFIG_FILE, ckpt_lib.VOCAB_FILE, "vocab.json", "train_sources.json",
+              "data_cache", ckpt_lib.CKPT_DIR, "metrics.jsonl", "tensorboard")
+
+
+def _run_files(workdir: Path) -> set[str]:
+  names = {n for n in _RUN_FILES if (workdir / n).exists()}
+  if (workdir / "data_cache").is_dir():
+    names |= {f"data_cache/{f.name}" for f in (workdir / "data_cache").iterdir()}
+  return names
+
+
+def _remove_new_run_files(workdir: Path, before: set[str]) -> None:
+  """Removes what this attempt wrote (the workdir is locked: no one else wrote it). Only the
+  run's own files: anything else, e.g. checkpoints moved aside, stays."""
+  import shutil
+  for name in sorted(_run_files(workdir) - before, key=lambda n: -n.count("/")):
+    path = workdir / name
+    if name == ckpt_lib.CKPT_DIR and any(path.iterdir()):
+      continue
+    if path.is_dir():
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      path.unlink(missing_ok=True)
+
+
+def _lock(workdir: Path):
+  """Process 0 takes the workdir's lock for the run's hosts; all of them learn the outcome
+  (so that a refused multi-host run ends on every host at once)."""
+  from seq2seq.workdir import WorkdirLock, WorkdirLocked
+  lock, error = None, None
+  if _is_main():
+    lock = WorkdirLock(workdir)
+    try:
+      lock.acquire()
+    except UserError as e:
+      lock, error = None, e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if not ok and error is None:
+      error = WorkdirLocked(f"workdir {workdir} is in use by another run (see process 0)")
+  if error is not None:
+    raise error
+  return lock
+
+
+def _start(cfg: Config, workdir: Path):
+  """Everything before the first step: the config checked against the workdir's, the data,
+  the trainer, the state (restored or new). Returns (cfg, ds, trainer, ckpts, state, start,
+  resuming)."""
+  from seq2seq.data import load_dataset
+  resuming = ckpt_lib.config_path(workdir).exists()
+  cfg = prepare_workdir(cfg, workdir)
+  ds = load_dataset(cfg, workdir)
+  cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
+  trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
+  ckpts = ckpt_lib.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
+  try:
+    restored = ckpts.restore(trainer.abstract_state)
+  except BaseException:
+    ckpts.close()
+    raise
   if restored is None:
-    state = trainer.init(jax.random.key(tc.seed))
+    state = trainer.init(jax.random.key(cfg.train.seed))
     start = 0
   else:
     state, meta = restored
@@ -398,6 +466,58 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
     _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
   if _is_main() and resuming:       # a resumed run's new train settings, once they work
     ckpt_lib.write_config(workdir, cfg)
+  return cfg, ds, trainer, ckpts, state, start, resuming
+
+
+def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[[int, dict], None] | None = None
+          ) -> TrainResult:
+  """Trains (or resumes) `cfg` in `workdir`. Returns the final metrics.
+
+  The workdir is locked for the run (`seq2seq.workdir`); everything that can refuse the run
+  is checked before anything is written, and a run refused (or interrupted) before its
+  first step removes what it wrote, so the workdir is as it was."""
+  t_start = time.time()
+  workdir = ckpt_lib.workdir_path(workdir, must_exist=False)
+  check_runnable(cfg)
+  made = [d for d in (workdir, *workdir.parents) if not d.exists()]
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+  lock = None
+  try:
+    lock = _lock(workdir)
+    before = _run_files(workdir)
+    try:
+      cfg, ds, trainer, ckpts, state, start, resuming = _start(cfg, workdir)
+    except BaseException:
+      if _is_main():
+        _remove_new_run_files(workdir, before)
+      raise
+  except BaseException:
+    if lock is not None:
+      lock.release()
+    for d in made:   # deepest first; stops at the first that holds something
+      try:
+        d.rmdir()
+      except OSError:
+        break
+    raise
+  try:
+    return _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progress,
+                 on_log, t_start)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progress, on_log,
+          t_start) -> TrainResult:
+  tc = cfg.train
+  # A new run's config.json is written with its first checkpoint: until then the workdir
+  # holds no run (a first attempt that fails, say out of memory, binds no later one to its
+  # model config).
+  config_written = resuming
   writer = metrics_lib.MetricsWriter(workdir, enabled=_is_main())
 
   # SIGTERM (preemption) and a first Ctrl-C stop the run after the current step with a
@@ -432,6 +552,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
   step, stopped_early = start, False
 
   def save(step):
+    nonlocal config_written
+    if lock is not None:
+      lock.check()   # never two writers: a run that lost the workdir stops unsaved
+    if not config_written and _is_main():
+      ckpt_lib.write_config(workdir, cfg)
+    config_written = True
     ckpts.save(step, state, {"step": step, "data_position": step, "seed": tc.seed})
 
   prev_m = None
@@ -454,9 +580,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[
       last = step == tc.steps
       if step % tc.log_every == 0 or last or stop["signal"] or step % tc.checkpoint_every == 0:
         host = {k: float(v) for k, v in acc.items()}
-        if host["first_bad_step"] < _NO_STEP:
-          raise NonFiniteLoss(f"non-finite loss at step {int(host['first_bad_step'])}: stopped; "
-                              f"no checkpoint was written after it (lower the learning rate?)")
+        if host["first_bad_update"] < _NO_STEP:
+          bad = int(host["first_bad_update"])
+          what = (f"non-finite loss at step {bad}" if host["first_bad_step"] == bad else
+                  f"non-finite parameters after the update of step {bad}")
+          raise NonFiniteLoss(f"{what}: stopped; no checkpoint was written after it (lower "
+                              f"the learning rate?)")
         now = time.time()
         n = max(host["tokens"], 1.0)
         tokens_since += host["tokens"]

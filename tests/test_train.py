@@ -22,6 +22,7 @@ import train as train_script  # noqa: E402
 from seq2seq import checkpoint as ckpt_lib  # noqa: E402
 from seq2seq import state as state_lib  # noqa: E402
 from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
+from seq2seq.state import abstract_state  # noqa: E402
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -148,8 +149,12 @@ def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
   p = run_train(args, {"SEQ2SEQ_DEBUG_SIGKILL_AT_STEP": "15"}, check=False)
   assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
   assert 10 in ckpt_lib.Checkpoints(workdir, read_only=True).steps()
+  assert (workdir / "train.lock").exists()     # the killed run could not remove its lock
   p = run_train(args)
   assert "resuming from" in p.stderr and "(step 10)" in p.stderr
+  assert "warning: took over the lock of workdir" in p.stderr, p.stderr[-2000:]
+  assert "its process is not running" in p.stderr
+  assert not (workdir / "train.lock").exists()
   a, b = params_of(reference, 30), params_of(workdir, 30)
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(x, y)
@@ -163,10 +168,11 @@ def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
   assert ckpt_lib.Checkpoints(workdir, read_only=True).steps()[-1] == 30
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_sigterm_and_ctrl_c_save_and_exit_cleanly(corpus, trained, tmp_path, signum, code):
-  """SIGTERM (preemption) and Ctrl-C save a checkpoint at the step they arrive in; Ctrl-C
-  then exits 130 as an interrupted program does."""
+  """SIGTERM (preemption) and Ctrl-C save a checkpoint at the step they arrive in, then exit
+  as a process killed by them would: 143 (128 + 15), so that a scheduler does not take a
+  preempted run for a finished one, and 130 for Ctrl-C."""
   _, data_dir = trained
   workdir = tmp_path / "term"
   args = tiny_args(corpus, workdir, data_dir, steps=100000)
@@ -298,21 +304,26 @@ def test_read_debris_covers_tensorstore_errors_of_other_reads():
   assert not ckpt_lib._is_read_debris(RuntimeError("Event loop is running"))
 
 
-def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, tmp_path):
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")   # 1e40 as float32
+def test_nonfinite_parameters_stop_the_run_before_any_checkpoint(corpus, trained, tmp_path,
+                                                                capsys, monkeypatch):
+  """A learning rate past validation's bound (lifted here) makes the parameters infinite at
+  step 1 with a finite loss; the run stops naming that step and no checkpoint of them is
+  written (one used to be, and every resume failed)."""
+  from seq2seq import config
+  monkeypatch.setattr(config, "MAX_PEAK_LEARNING_RATE", float("inf"))
   _, data_dir = trained
-  workdir = tmp_path / "nan"
-  p = run_train(tiny_args(corpus, workdir, data_dir, extra=[
-      "--config.train.learning_rate_scale=1e30", "--config.train.checkpoint_every=1"]),
-      check=False)
-  assert p.returncode == 2, p.stderr[-2000:]
-  last = p.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: non-finite loss at step "), last
-  bad = int(last.split("step ")[1].split(":")[0])
-  steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
-  assert all(s < bad for s in steps)
-  for s in steps:
-    for x in jax.tree_util.tree_leaves(params_of(workdir, s)):
-      assert np.isfinite(x).all()
+  assert train_script.main(tiny_args(corpus, tmp_path / "w", data_dir, 20, [
+      "--config.train.learning_rate_scale=1e40", "--config.train.checkpoint_every=1",
+      "--config.train.log_every=1"])) == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last == ("error: non-finite parameters after the update of step 1: stopped; no "
+                  "checkpoint was written after it (lower the learning rate?)"), last
+  assert not (tmp_path / "w" / "checkpoints").exists() or not any(
+      (tmp_path / "w" / "checkpoints").iterdir())
+  assert not (tmp_path / "w" / "config.json").exists()   # no run: the workdir binds nothing
+  assert not (tmp_path / "w" / "train.lock").exists()
 
 
 # --- bad input ----------------------------------------------------------------------------
@@ -345,6 +356,11 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_no_nan(corpus, trained, 
     (["--num_processes", "2", "--process_id", "1"], "give --coordinator_address HOST:PORT"),
     (["--coordinator_address", "localhost:1234", "--num_processes", "2", "--process_id", "5"],
      "--process_id must be in [0, 2)"),
+    # refused before anything is written (each used to leave config.json or vocab.model)
+    (["--config.train.mesh_shape=data=3"], "mesh_shape 'data=3' needs 3 devices, there are 1"),
+    (["--config.data.num_shards=3"], "num_shards 3 must be a multiple of the number of hosts"),
+    (["--config.train.learning_rate_scale=inf"], "learning_rate_scale must be a finite number"),
+    (["--config.train.learning_rate_scale=1e40"], "gives a peak learning rate of 1.02e+38"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
   code = train_script.main(["--workdir", str(tmp_path / "runs" / "w"), "--no_progress", *argv])
@@ -362,6 +378,39 @@ def test_bad_distributed_timeouts_are_one_line(name, tmp_path, capsys, monkeypat
                             "--process_id", "0"])
   err = capsys.readouterr().err.strip()
   assert code == 2 and err == f"error: {name} must be a whole number of seconds >= 1, got '10s'"
+
+
+def test_empty_workdir_is_refused_not_the_current_directory(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert train_script.main(["--workdir", "", "--no_progress", "--steps", "2"]) == 2
+  assert capsys.readouterr().err == "error: workdir is empty: give a directory (--workdir DIR)\n"
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_refused_new_run_leaves_nothing_and_the_corrected_command_runs(corpus, trained,
+                                                                         tmp_path, capsys):
+  """Every training pair too long: refused once the data is read, before the vocabulary or
+  the tokenized data are written (a vocabulary left behind used to be reused by the next
+  run, whatever its data); the next run, with other data and model, is a new run."""
+  _, data_dir = trained
+  long_pairs = tmp_path / "data" / "hundreds.tsv"    # two words or more: 3+ tokens with EOS
+  long_pairs.parent.mkdir()
+  long_pairs.write_text("".join((corpus / "train.tsv").read_text().splitlines(True)[100:]))
+  workdir = tmp_path / "runs" / "w"
+  args = tiny_args(corpus, workdir, data_dir, 2, ["--config.data.max_src_len=2"])
+  args[args.index("--train_files") + 1] = str(long_pairs)
+  assert train_script.main(args) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.splitlines()[-1].startswith("error: all 200 training pairs of shard 0 are "
+                                         "longer"), err
+  assert "Traceback" not in err
+  assert list(tmp_path.iterdir()) == [long_pairs.parent]
+  assert train_script.main(tiny_args(corpus, workdir, data_dir, 2,
+                                     ["--config.model.d_ff=32"])) == 0
+  assert ckpt_lib.read_config(workdir).model.d_ff == 32
+  built_from = json.loads((workdir / "vocab.json").read_text())["built_from"]
+  assert built_from["training_pairs"] == 300
 
 
 def test_unwritable_workdir(tmp_path, capsys):
@@ -448,6 +497,83 @@ def test_a_failed_resume_leaves_config_json_and_decoding_as_they_were(corpus, tr
   for x, y in zip(jax.tree_util.tree_leaves(params_of(workdir)),
                   jax.tree_util.tree_leaves(params_of(trained[0]))):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_workdir_one_trains_the_other_is_refused(corpus, trained, tmp_path):
+  """Started together on one workdir, one run trains to the end and the other is refused in
+  one line naming it, before writing anything (both used to train, or to fail saving)."""
+  _, data_dir = trained
+  workdir = tmp_path / "w"
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                             *tiny_args(corpus, workdir, data_dir, 20)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for _ in range(2)]
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  codes = sorted(p.returncode for p in procs)
+  assert codes == [0, 2], [err[-2000:] for _, err in outs]
+  (winner,) = [p for p in procs if p.returncode == 0]
+  (_, err), = [o for p, o in zip(procs, outs) if p.returncode == 2]
+  assert err == (f"error: workdir {workdir} is in use by another run (host "
+                 f"{socket.gethostname()}, pid {winner.pid}, since " + err.split(" since ")[1])
+  assert len(err.splitlines()) == 1 and "Traceback" not in err
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20]
+  assert not (workdir / "train.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_save_whose_directory_vanishes_ends_the_run_in_one_line_at_once(corpus, trained,
+                                                                         tmp_path):
+  """Another process takes the directory of a save in progress (as a second run once did,
+  moving it aside as unfinished): the run says so in one line and exits at once, the
+  checkpoints before it intact (it used to end in a traceback, or wait minutes for Orbax's
+  threads)."""
+  _, data_dir = trained
+  workdir = tmp_path / "w"
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *tiny_args(
+      corpus, workdir, data_dir, 100000, ["--config.train.checkpoint_every=1",
+                                          "--config.train.log_every=1"])],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  checkpoints, aside = workdir / "checkpoints", tmp_path / "aside"
+  aside.mkdir()
+  try:
+    deadline = time.time() + 240
+    while not (checkpoints / "2").exists():
+      assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+      time.sleep(0.05)
+    first, n = None, 0
+    while proc.poll() is None and (first is None or time.time() - first < 60):
+      for tmp in checkpoints.glob("*.orbax-checkpoint-tmp*"):
+        try:
+          os.replace(tmp, aside / f"{tmp.name}.{n}")
+          first, n = first or time.time(), n + 1
+        except OSError:   # finished meanwhile
+          pass
+      time.sleep(0.001)
+    _, err = proc.communicate(timeout=60)
+    took = time.time() - first
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 2, err[-3000:]
+  assert took < 30, took
+  assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
+  last = err.strip().splitlines()[-1]
+  assert last.startswith(f"error: cannot write checkpoint {checkpoints.absolute()}/"), last
+  assert last.endswith(" (the checkpoints saved before it are intact)"), last
+  params_of(workdir)   # the newest checkpoint left reads back
+  assert not (workdir / "train.lock").exists()
 
 
 def test_a_full_disk_is_one_line_and_the_next_run_resumes(corpus, trained, tmp_path):

@@ -17,8 +17,9 @@ cfg.data.dataset selects the source:
 Token ids (tokenizer.py): PAD 0, BOS 1, EOS 2, UNK 3; byte fallback on. Sources and targets
 are EOS-terminated in batches; the decoder input is `shift_right(tgt, BOS, tgt_segments)`.
 
-Files: TFDS data in data.data_dir; <workdir>/vocab.model; <workdir>/data_cache/*.npz
-(tokenized splits); <workdir>/train_sources.json (what the training sources were: sources.py). In multi-host runs process 0 builds and trains the vocabulary, the
+Files: TFDS data in data.data_dir; <workdir>/vocab.model and vocab.json (what it was built
+from); <workdir>/data_cache/*.npz (tokenized splits); <workdir>/train_sources.json (what the
+training sources were: sources.py). In multi-host runs process 0 builds and trains the vocabulary, the
 others wait for the files; each host tokenizes and batches only its own training examples
 (every process_count-th); eval_batches yields the whole split on every host.
 """

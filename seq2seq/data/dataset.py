@@ -9,19 +9,25 @@
 Where things live:
   * TFDS data (array_record) in cfg.data.data_dir ("" -> $TFDS_DATA_DIR or
     ~/tensorflow_datasets), built by process 0 and waited for by the others;
-  * the SentencePiece model at <workdir>/vocab.model (reused if present);
+  * the SentencePiece model at <workdir>/vocab.model, and beside it vocab.json: what it was
+    built from (the training data's identity and the SentencePiece settings) and its
+    SHA-256. A stored vocabulary is reused only if it was built from the same data and
+    settings, or if a run (config.json) already depends on it;
   * tokenized splits (flat int32 tokens + offsets, .npz) in <workdir>/data_cache/, keyed by
     the vocabulary, the dataset and the host shard, so each split is tokenized once;
   * what the training sources were (longest, pieces, an example) in
     <workdir>/train_sources.json (sources.py), for decode.py's warnings.
 
 Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
+Nothing is written into the workdir until every check on the data has passed (the files,
+the shards, the lengths): a refused run leaves no vocabulary or cache behind.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import io
+import json
 import logging
 import warnings
 from typing import Iterator
@@ -33,8 +39,8 @@ from etils import epath
 from seq2seq.config import Config
 from seq2seq.data import catalog, numbers, parallel_text, sources
 from seq2seq.data.pipeline import Ragged, TrainStream, apply_length_policy, pad_batch
-from seq2seq.data.tokenizer import (EOS_ID, Tokenizer, atomic_write, get_tokenizer,
-                                    normalize_source, wait_for)
+from seq2seq.data.tokenizer import (EOS_ID, Tokenizer, atomic_write, normalize_source,
+                                    wait_for)
 from seq2seq.errors import UserError
 
 log = logging.getLogger("seq2seq.data")
@@ -143,9 +149,12 @@ class Dataset:
   """Tokenized splits of one source and the batches built from them."""
 
   def __init__(self, cfg: Config, workdir: str, source: Source, tokenizer: Tokenizer,
-               process_index: int, process_count: int):
+               process_index: int, process_count: int, defer_writes: bool = False):
     self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
     self.workdir = epath.Path(workdir)
+    # With defer_writes, tokenized splits are kept until flush(): nothing is written before
+    # the checks on the data (shards, lengths) have passed.
+    self._pending: list[tuple[str, bytes]] | None = [] if defer_writes else None
     self.process_index, self.process_count = process_index, process_count
     self.splits = source.splits
     if "train" not in self.splits:
@@ -180,8 +189,17 @@ class Dataset:
     buf = io.BytesIO()
     np.savez(buf, src_flat=src.flat, src_offsets=src.offsets, tgt_flat=tgt.flat,
              tgt_offsets=tgt.offsets)
-    atomic_write(str(path), buf.getvalue())
+    if self._pending is None:
+      atomic_write(str(path), buf.getvalue())
+    else:
+      self._pending.append((str(path), buf.getvalue()))
     return src, tgt
+
+  def flush(self) -> None:
+    """Writes the tokenized splits kept so far; from now on they are written as made."""
+    for path, data in self._pending or ():
+      atomic_write(path, data)
+    self._pending = None
 
   # --- training -----------------------------------------------------------------------
 
@@ -294,10 +312,106 @@ def _process() -> tuple[int, int]:
   return jax.process_index(), jax.process_count()
 
 
+VOCAB_RECORD = "vocab.json"
+
+
+def vocab_built_from(cfg: Config, source: Source, vocab_size: int) -> dict:
+  """What a vocabulary trained for `cfg` is built from: the training split's identity and
+  the SentencePiece settings."""
+  d = cfg.data
+  if d.dataset == "parallel_text":   # the train files' bytes (not the other splits')
+    h = hashlib.sha256()
+    for split, paths in source.builder.builder_config.files:
+      if split == "train":
+        for path in paths:
+          with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    data = f"parallel_text train files sha256 {h.hexdigest()[:16]}"
+  else:
+    data = source.name
+  return {"training_data": data, "training_pairs": source.num_examples("train"),
+          "source_key": source.src_key, "target_key": source.tgt_key,
+          "lowercase_source": d.lowercase_source,
+          "vocab_size": vocab_size, "spm_model_type": d.spm_model_type,
+          "character_coverage": d.character_coverage, "max_pairs": SPM_MAX_PAIRS}
+
+
+def _read_record(workdir: epath.Path) -> dict | None:
+  try:
+    record = json.loads((workdir / VOCAB_RECORD).read_text())
+  except (OSError, ValueError):
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def _stored_vocab(workdir: epath.Path, built_from: dict) -> tuple[bytes | None, str]:
+  """(the stored vocabulary if this run may use it, why it may not: "" if it may)."""
+  path = workdir / "vocab.model"
+  if not path.exists():
+    return None, ""
+  proto = path.read_bytes()
+  record = _read_record(workdir)
+  of_a_run = (workdir / "config.json").exists()   # its checkpoints depend on it
+  if record is not None and record.get("sha256") != hashlib.sha256(proto).hexdigest():
+    why = "it is not the file vocab.json describes"
+  elif record is None:
+    why = "" if of_a_run else "nothing records what it was built from"
+  elif record.get("built_from") != built_from:
+    was = record.get("built_from") or {}
+    diff = [f"{k}: {was.get(k)!r} -> {v!r}" for k, v in built_from.items() if was.get(k) != v]
+    why = f"it was built from other data or settings ({'; '.join(diff[:2])})"
+  else:
+    why = ""
+  if why and of_a_run:   # kept, said: the run's embeddings are of these pieces
+    warnings.warn(f"{path}: {why}; kept, as the run's checkpoints depend on it")
+    why = ""
+  return (None if why else proto), why
+
+
+def _vocabulary(workdir: epath.Path, built_from: dict, sentences, process_index: int
+                ) -> tuple[Tokenizer, bool]:
+  """(the tokenizer, whether it is new and still to be written by `_write_vocabulary`).
+  Process 0 reuses the stored vocabulary or trains one in memory; the others wait for the
+  one process 0 writes."""
+  path = workdir / "vocab.model"
+  if process_index != 0:
+    def ready():
+      proto, why = _stored_vocab(workdir, built_from)
+      return proto is not None and not why
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      wait_for(ready, str(path), PREPARE_TIMEOUT)
+    return Tokenizer.load(str(path)), False
+  proto, why = _stored_vocab(workdir, built_from)
+  if proto is not None:
+    try:
+      return Tokenizer(proto, str(path)), False
+    except (RuntimeError, UserError) as e:
+      if (workdir / "config.json").exists():
+        raise UserError(f"{path} is not a readable SentencePiece model ({e})") from None
+      why = "it is not a readable SentencePiece model"
+  if why:
+    warnings.warn(f"{path}: {why}; no run uses it: training a new one in its place")
+  d = built_from
+  return Tokenizer.train(sentences(), vocab_size=d["vocab_size"],
+                         model_type=d["spm_model_type"],
+                         character_coverage=d["character_coverage"]), True
+
+
+def _write_vocabulary(workdir: epath.Path, tokenizer: Tokenizer, built_from: dict) -> None:
+  """vocab.model, then the record that vouches for it (a reader that finds the record finds
+  its vocabulary)."""
+  atomic_write(str(workdir / "vocab.model"), tokenizer.model_proto)
+  record = {"sha256": hashlib.sha256(tokenizer.model_proto).hexdigest(),
+            "built_from": built_from}
+  atomic_write(str(workdir / VOCAB_RECORD), (json.dumps(record, indent=2) + "\n").encode())
+
+
 def load_dataset(cfg: Config, workdir: str, *, process_index: int | None = None,
                  process_count: int | None = None) -> Dataset:
   """Prepares the data of `cfg.data`, the tokenizer (<workdir>/vocab.model, trained on the
-  training split unless present) and the tokenized splits. UserError on bad input.
+  training split unless a matching one is stored) and the tokenized splits. UserError on
+  bad input, before anything is written into the workdir.
   `process_index`/`process_count` default to JAX's (overridable for tests)."""
   if process_index is None or process_count is None:
     pi, pc = _process()
@@ -318,13 +432,16 @@ def load_dataset(cfg: Config, workdir: str, *, process_index: int | None = None,
     log.info("training SentencePiece (%d pieces) on %d pairs", vocab_size, len(src))
     return [normalize_source(s, d.lowercase_source) for s in src] + tgt
 
-  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  tokenizer = get_tokenizer(
-      str(epath.Path(workdir) / "vocab.model"), sentences, vocab_size=vocab_size,
-      model_type=d.spm_model_type, character_coverage=d.character_coverage,
-      process_index=process_index, timeout=PREPARE_TIMEOUT,
-      lowercase_source=d.lowercase_source)
-  ds = Dataset(cfg, workdir, source, tokenizer, process_index, process_count)
+  wd = epath.Path(workdir)
+  built_from = vocab_built_from(cfg, source, vocab_size)
+  tokenizer, new = _vocabulary(wd, built_from, sentences, process_index)
+  tokenizer.lowercase_source = d.lowercase_source
+  ds = Dataset(cfg, workdir, source, tokenizer, process_index, process_count,
+               defer_writes=True)
+  wd.mkdir(parents=True, exist_ok=True)
+  if new:   # every check has passed: now the files
+    _write_vocabulary(wd, tokenizer, built_from)
+  ds.flush()
   if process_index == 0:
     sources.write(workdir, ds.train_sources())
   return ds
