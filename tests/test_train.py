@@ -89,6 +89,7 @@ def trained(corpus, tmp_path_factory):
   return root / "w", root / "tfds"
 
 
+@pytest.mark.slow
 # --- the step -----------------------------------------------------------------------------
 
 def test_sharded_step_equals_single_device_step():
@@ -124,6 +125,7 @@ def test_run_writes_a_complete_workdir(trained):
   assert cfg.model.d_model == 32 and cfg.model.vocab_size == tok.vocab_size
 
 
+@pytest.mark.slow
 def test_eval_cuts_a_source_longer_than_the_model_reads(corpus, tmp_path):
   """A validation sentence of more than model.max_len tokens is evaluated cut, as the loss
   batches cut it (it used to stop the run at its first evaluation)."""
@@ -793,6 +795,7 @@ def test_when_one_process_dies_the_other_stops_and_the_run_resumes(corpus, train
   assert rows[-1]["step"] == last + 5
 
 
+@pytest.mark.slow
 def test_logged_tokens_per_sec_leaves_out_evaluation_time(corpus, tmp_path):
   """Evaluations at steps 10 and 20 (the first compiles the decode loop, seconds against
   milliseconds per tiny step) fall in the intervals logged at 15 and 25: their rates stay
