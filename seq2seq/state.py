@@ -1,6 +1,7 @@
 """The training state and what builds it: what the trainer and the checkpoints both need."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax
@@ -40,6 +41,7 @@ def as_float32(tree):
       lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+@functools.partial(jax.jit, static_argnums=0)   # one program, not one per operation
 def init_state(cfg: Config, rng: jax.Array) -> TrainState:
   dummy = jnp.ones((1, 8), jnp.int32)
   params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]

@@ -1,4 +1,5 @@
 """Shared by every test file."""
+import json
 import os
 import subprocess
 import sys
@@ -18,12 +19,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def default_run(tmp_path_factory):
   """The main job as README.md gives it, run once per session: `python train.py` (about 1.5
   minutes on 2 cores). Returns (workdir, the finished process, its environment); tests
-  only read the workdir."""
-  root = tmp_path_factory.mktemp("default_run")
+  only read the workdir. With parallel workers (pytest -n), the first to need it runs it
+  and the others wait for it and share it."""
+  from filelock import FileLock
+  base = tmp_path_factory.getbasetemp()
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default_run"
   env = {**os.environ, "TFDS_DATA_DIR": str(root / "tfds")}
-  p = subprocess.run([sys.executable, "train.py", "--workdir", str(root / "run"), "--no_progress"],
-                     cwd=ROOT, env=env, check=True, timeout=1200, capture_output=True, text=True)
-  return root / "run", p, env
+  done = root / "process.json"
+  with FileLock(str(root) + ".lock"):
+    if not done.exists():
+      root.mkdir(exist_ok=True)
+      p = subprocess.run([sys.executable, "train.py", "--workdir", str(root / "run"),
+                          "--no_progress"], cwd=ROOT, env=env, check=True, timeout=1200,
+                         capture_output=True, text=True)
+      done.write_text(json.dumps({"args": p.args, "stdout": p.stdout, "stderr": p.stderr}))
+  p = json.loads(done.read_text())
+  return root / "run", subprocess.CompletedProcess(p["args"], 0, p["stdout"], p["stderr"]), env
 
 
 # Fixtures that train with train.py in a subprocess: every test that uses one is slow.

@@ -325,8 +325,8 @@ def _model_config(table, dtype, pre_ln, dropout=0.0):
 
 def _params(pre_ln: bool, seed=0):
   cfg = _model_config("reference", "float32", pre_ln)
-  p = Transformer(cfg).init(jax.random.key(seed), jnp.ones((1, 8), jnp.int32),
-                            jnp.ones((1, 8), jnp.int32))["params"]
+  p = jax.jit(Transformer(cfg).init)(jax.random.key(seed), jnp.ones((1, 8), jnp.int32),
+                                     jnp.ones((1, 8), jnp.int32))["params"]
   # Non-zero biases and LayerNorm parameters, so a kernel that drops one is seen.
   rng = np.random.default_rng(seed)
   return jax.tree_util.tree_map(
@@ -341,9 +341,9 @@ def _everything(table, dtype, pre_ln, packed, params, dropout=0.0):
   cfg = Config(model=mc, train=TrainConfig(label_smoothing=0.1))
   batch = {k: jnp.asarray(v) for k, v in _batch(packed).items()}
   tgt_in = train_lib.shift_right(batch["tgt"], 1, batch.get("tgt_segments"))
-  logits = Transformer(mc).apply(
-      {"params": params}, batch["src"], tgt_in, batch.get("src_segments"),
-      batch.get("tgt_segments"), batch.get("src_positions"), batch.get("tgt_positions"))
+  logits = jax.jit(lambda p, b, t: Transformer(mc).apply(
+      {"params": p}, b["src"], t, b.get("src_segments"), b.get("tgt_segments"),
+      b.get("src_positions"), b.get("tgt_positions")))(params, batch, tgt_in)
   rng = jax.random.key(5) if dropout else None
   (loss, m), grads = jax.jit(jax.value_and_grad(
       lambda p: train_lib.loss_and_metrics(cfg, p, batch, 1, train=dropout > 0, rng=rng),

@@ -224,9 +224,10 @@ def test_train_step_applies_adam_when_finite_and_skips_a_nonfinite_step():
   step = jax.jit(lambda s, b: train_lib.train_step(s, b, cfg=cfg, bos_id=1))
 
   new, m = step(state, batch)
-  grads = jax.grad(lambda p: train_lib.loss_and_metrics(cfg, p, batch, 1, train=True)[0])(state.params)
+  grads = jax.jit(jax.grad(
+      lambda p: train_lib.loss_and_metrics(cfg, p, batch, 1, train=True)[0]))(state.params)
   grads = jax.tree_util.tree_map(lambda g: g / m["tokens"], grads)
-  upd, opt = train_lib.optimizer(cfg).update(grads, state.opt_state, state.params)
+  upd, opt = jax.jit(train_lib.optimizer(cfg).update)(grads, state.opt_state, state.params)
   assert int(new.step) == 1 and int(m["first_bad_step"]) == train_lib._NO_STEP
   for a, b in zip(jax.tree_util.tree_leaves(new.opt_state), jax.tree_util.tree_leaves(opt)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))

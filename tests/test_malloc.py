@@ -47,7 +47,12 @@ def test_keep_freed_memory_makes_xla_reuse_its_temporary_memory():
     pytest.skip(f"this system faults in only {default:.0f} pages per call even with "
                 "malloc's defaults (huge pages?): nothing to compare")
   tuned = _run(PROBE, "tuned")
-  assert tuned < 0.02 * default, (tuned, default)
+  # Pages faulted in afresh per call: under 1% of the temporaries (2 x 64 MiB), and under a
+  # tenth of malloc's defaults. (Those fault in only part of the temporaries, a part that
+  # varies between machines; the tuned count is not always zero either: 0.5 pages per call
+  # on one machine, 128 on another, 0.4% of the temporaries.)
+  temporaries_pages = 2 * 4096 * 4096 * 4 / os.sysconf("SC_PAGE_SIZE")
+  assert tuned < 0.01 * temporaries_pages and tuned < 0.1 * default, (tuned, default)
 
 
 # The same function's temporaries stay resident after each call under the tuned malloc, until

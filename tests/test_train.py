@@ -635,7 +635,10 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once(corpus, trained, tmp_path)
   env.pop("XLA_FLAGS", None)
   proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
                            *tiny_args(corpus, workdir, trained[1])], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          # as from a terminal: SIGINT not ignored (it is in background
+                          # jobs and test runners' workers, and the child inherits that)
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   try:
     seen = []
     for line in proc.stderr:
