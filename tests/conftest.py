@@ -7,12 +7,19 @@ from pathlib import Path
 
 import pytest
 
-# train.py and decode.py keep compiled programs in ~/.cache/seq2seq/jax; tests (and the
-# scripts they start) leave the home directory alone. test_decode_cli turns it on in a
-# temporary directory to test it.
-os.environ.setdefault("SEQ2SEQ_COMPILE_CACHE", "off")
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+  """train.py and decode.py keep compiled programs in ~/.cache/seq2seq/jax; tests (and the
+  scripts they start) leave the home directory alone and share one cache in the session's
+  temporary directory instead: most scripts the tests start compile the same tiny programs.
+  Tests of the cache itself, or of compile times, give their own."""
+  if "SEQ2SEQ_COMPILE_CACHE" not in os.environ:
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(shared / "jax_cache")
 
 
 @pytest.fixture(scope="session")
