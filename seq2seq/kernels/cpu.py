@@ -55,12 +55,14 @@ def _dot(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, dtype: str = "float32") -> jax.Array:
-  """x·W with `dtype` inputs and float32 accumulation and output, forward and backward."""
-  return _dot(x_MxK.astype(dtype), w_KxN.astype(dtype))
+  """x·W with `dtype` inputs and float32 accumulation and output, forward and backward. x is
+  made row-major after its cast, so that a transposed x is copied in the compute dtype and
+  whatever computes x (a bias and ReLU) fuses with the cast."""
+  return _dot(row_major(x_MxK.astype(dtype)), w_KxN.astype(dtype))
 
 
 def _matmul_fwd(x_MxK, w_KxN, dtype):
-  x_c, w_c = x_MxK.astype(dtype), w_KxN.astype(dtype)
+  x_c, w_c = row_major(x_MxK.astype(dtype)), w_KxN.astype(dtype)
   # Empty arrays carry the input dtypes (dtypes themselves can't be residuals).
   return _dot(x_c, w_c), (x_c, w_c, jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype))
 
@@ -78,7 +80,7 @@ def dense(x_MxK, weights, dtype):
   """`reference.dense` as ONE matmul over the concatenated kernels (one large matmul runs
   closer to peak than several small ones); the parameters stay per layer."""
   w_KxN = jnp.concatenate([w for w, _ in weights], axis=1)
-  y_MxN = matmul(row_major(x_MxK), w_KxN, dtype)
+  y_MxN = matmul(x_MxK, w_KxN, dtype)
   if any(b is not None for _, b in weights):
     y_MxN = y_MxN + jnp.concatenate([jnp.zeros((w.shape[1],), jnp.float32) if b is None
                                      else b.astype(jnp.float32) for w, b in weights])
@@ -148,8 +150,11 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
     shape = q_BxHxQxD.shape[:3] + k_BxHxKxD.shape[2:3]
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
   scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, q_BxHxQxD.dtype)
-  y_BxHxQxD = _attend(row_major(q_BxHxQxD * scale), row_major(k_BxHxKxD), row_major(v_BxHxKxD),
-                      mask, keep, float(dropout_rate))
+  q_BxHxQxD = q_BxHxQxD * scale
+  if 1 not in q_BxHxQxD.shape[1:3]:   # one query (a decode step) or one head: any layout is
+    q_BxHxQxD = row_major(q_BxHxQxD)  # row-major already, and a constraint would copy it
+  y_BxHxQxD = _attend(q_BxHxQxD, row_major(k_BxHxKxD), row_major(v_BxHxKxD), mask, keep,
+                      float(dropout_rate))
   return y_BxHxQxD.astype(q_BxHxQxD.dtype)
 
 
