@@ -6,6 +6,7 @@ MarianMT decoding) measured on a reference CPU with AMX (REFERENCE_PEERS below).
     python bench/scorecard.py --read     # only re-read the results in bench/results/scorecard/
     python bench/scorecard.py --runs decode_bf16,cache   # re-run only those
     python bench/scorecard.py --read --peers bench/results/peers_torch.json   # + PyTorch peers
+    python bench/scorecard.py --read --ct2 bench/results/peers_ct2.json   # + CTranslate2 decode
     python bench/scorecard.py --rounds 3   # train and decode speed 3 times, median: ~17 min
 
 The runs, one after another (each its own process, so none shares the cores with another):
@@ -21,6 +22,9 @@ on another workload than the targets' (say `--new_tokens 8`), or a time to targe
 warm compile cache, is shown but not counted. The decode targets name no dtype: each dtype
 gets its row. Mixed precision is met when even its worst bf16 - f32 pair (mean |d| / loss
 over the last 100 of 300 steps) is below the closest seed-to-seed pair: inside the noise.
+With --ct2 (bench_peers_ct2.py's JSON, CTranslate2 run in its own venv on this machine), a
+second table puts our cached decode beside CTranslate2's: our float32 against its float32
+(goal 1.3x) and our fastest precision against its fastest, int8 included (goal 1.0x).
 Peers come from bench_peers_torch.py, run in its own venv (see its docstring): with
 --peers, each row also says whether ours, over the peer measured here, reaches the multiple
 of the reference peer figure that its target asks for ("x peer verdict"), a view that does
@@ -318,6 +322,54 @@ def _num(x: float | None) -> str:
   return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}"
 
 
+# Against CTranslate2 measured on this machine (bench_peers_ct2.py): our float32 at this
+# multiple of its float32, and our fastest precision at this multiple of its fastest.
+CT2_SAME_PRECISION, CT2_FASTEST = 1.3, 1.0
+
+
+def ct2_rows(results: dict[str, dict | None], ct2: dict) -> list[dict]:
+  """Per decode workload (preset, strategy) measured by both: ours and CTranslate2's cached
+  decode tokens/s in float32, and each side's fastest precision (ours f32 or bf16, its
+  float32 or int8), with the ratios and whether they reach their multiples."""
+  ours: dict = collections.defaultdict(dict)
+  for name, dtype in (("decode_f32", "float32"), ("decode_bf16", "bfloat16")):
+    for r in (results.get(name) or {}).get("results", []):
+      if "cached" in r and not r.get("failed"):
+        ours[(r["model"], r["strategy"])][dtype] = r["cached"]["tokens_per_s"]
+  theirs: dict = collections.defaultdict(dict)
+  for r in ct2.get("results", []):
+    theirs[(r["preset"], r["strategy"])][r["compute_type"]] = r["tokens_per_s"]
+  out = []
+  for key in sorted(ours.keys() & theirs.keys(), key=lambda k: (k[0] != "small", k[1])):
+    o, t = ours[key], theirs[key]
+    row = dict(preset=key[0], strategy=key[1], ours_f32=o.get("float32"),
+               ct2_f32=t.get("float32"))
+    row["f32_ratio"] = (row["ours_f32"] / row["ct2_f32"]
+                        if row["ours_f32"] and row["ct2_f32"] else None)
+    (row["ours_best_dtype"], row["ours_best"]), (row["ct2_best_type"], row["ct2_best"]) = (
+        max(d.items(), key=lambda kv: kv[1]) for d in (o, t))
+    row["best_ratio"] = row["ours_best"] / row["ct2_best"]
+    out.append(row)
+  return out
+
+
+def ct2_table(rows: list[dict]) -> str:
+  if not rows:
+    return "CTranslate2: no decode workload measured by both."
+  met = lambda r, need: "" if r is None else ("met" if r >= need else "MISSED")  # noqa: E731
+  lines = ["| decode (CTranslate2 measured here) | ours f32 | CT2 float32 | x | "
+           f"{CT2_SAME_PRECISION}x | ours fastest | CT2 fastest | x | {CT2_FASTEST}x |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    f32 = "-" if r["f32_ratio"] is None else f"{r['f32_ratio']:.2f}"
+    lines.append(
+        f"| {r['preset']} {r['strategy']} | {_num(r['ours_f32'])} | {_num(r['ct2_f32'])} | "
+        f"{f32} | {met(r['f32_ratio'], CT2_SAME_PRECISION)} | {_num(r['ours_best'])} "
+        f"{SHORT.get(r['ours_best_dtype'], r['ours_best_dtype'])} | {_num(r['ct2_best'])} "
+        f"{r['ct2_best_type']} | {r['best_ratio']:.2f} | {met(r['best_ratio'], CT2_FASTEST)} |")
+  return "\n".join(lines)
+
+
 def table(rows: list[Row]) -> str:
   """A Markdown table (readable as text too)."""
   peers = any(r.peer is not None for r in rows)
@@ -411,6 +463,8 @@ def main(argv=None) -> int:
   ap.add_argument("--read", action="store_true", help="run nothing, read what --dir holds")
   ap.add_argument("--runs", default=",".join(RUNS), help="which benchmarks to run")
   ap.add_argument("--peers", default="", help="bench_peers_torch.py's JSON, for peer columns")
+  ap.add_argument("--ct2", default="", help="bench_peers_ct2.py's JSON: a table of our decode "
+                  "beside CTranslate2's")
   ap.add_argument("--rounds", type=int, default=1,
                   help="run the train and decode speed benchmarks this many times, interleaved, "
                        "and score each workload's median round")
@@ -428,23 +482,33 @@ def main(argv=None) -> int:
         peers = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
       sys.exit(f"error: --peers {args.peers}: {e}")
+  ct2 = None
+  if args.ct2:
+    try:
+      with open(args.ct2) as f:
+        ct2 = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      sys.exit(f"error: --ct2 {args.ct2}: {e}")
   if args.read and not os.path.isdir(args.dir):
     sys.exit(f"error: {args.dir} does not exist: run without --read first")
   failed = [] if args.read else run(names, args.dir, args.rounds)
   try:
-    rows = score(read_results(args.dir), peers)
+    results = read_results(args.dir)
+    rows = score(results, peers)
+    against_ct2 = None if ct2 is None else ct2_rows(results, ct2)
+    ct2_part = "" if ct2 is None else f"\n{ct2_table(against_ct2)}\n"
   except (ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {e}" if isinstance(e, ValueError)
              else f"error: a result in {args.dir} lacks {e}: re-run its benchmark")
   host = bench_train.cpu_name()
   md = (f"Speed targets scorecard, {time.strftime('%Y-%m-%d %H:%M')}, {host}; results in "
-        f"{args.dir}\n\n{table(rows)}\n\n{summary(rows)}\n")
+        f"{args.dir}\n\n{table(rows)}\n\n{summary(rows)}\n{ct2_part}")
   print("\n" + md)
   os.makedirs(args.dir, exist_ok=True)
   with open(os.path.join(args.dir, "scorecard.md"), "w") as f:
     f.write(md)
   with open(os.path.join(args.dir, "scorecard.json"), "w") as f:
-    json.dump(dict(machine=host, summary=summary(rows),
+    json.dump(dict(machine=host, summary=summary(rows), ctranslate2=against_ct2,
                    rows=[dict(dataclasses.asdict(r), verdict=r.verdict,
                               peer_ratio=r.peer_ratio, peer_ratio_needed=r.peer_ratio_needed,
                               peer_verdict=r.peer_verdict,

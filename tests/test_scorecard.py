@@ -393,3 +393,47 @@ def test_cli_rounds_run_interleaved_and_merge_and_a_failed_run_counts_nothing(tm
   assert saved[SPEEDUP]["verdict"] == "not measured"   # the failed run's older result is gone
   err = capsys.readouterr().err
   assert "round 2 of 2" in err and "error: cache failed" in err
+
+
+def test_ctranslate2_table_puts_each_workload_beside_ct2_in_both_views(tmp_path):
+  """Per decode workload: our f32 / CT2's float32 against 1.3x, our fastest precision /
+  CT2's fastest compute type against 1.0x, from the figures of both JSON files; a workload
+  only one side measured is left out."""
+  ct2 = _fixture("peers_ct2")
+  results = _all_fixtures()
+  rows = scorecard.ct2_rows(results, ct2)
+  ours = {}
+  for name, dtype in (("decode_f32", "float32"), ("decode_bf16", "bfloat16")):
+    for r in results[name]["results"]:
+      ours.setdefault((r["model"], r["strategy"]), {})[dtype] = r["cached"]["tokens_per_s"]
+  theirs = {}
+  for r in ct2["results"]:
+    theirs.setdefault((r["preset"], r["strategy"]), {})[r["compute_type"]] = r["tokens_per_s"]
+  both = ours.keys() & theirs.keys()
+  assert both and {(r["preset"], r["strategy"]) for r in rows} == both
+  for r in rows:
+    o, t = ours[r["preset"], r["strategy"]], theirs[r["preset"], r["strategy"]]
+    assert r["f32_ratio"] == pytest.approx(o["float32"] / t["float32"])
+    assert r["best_ratio"] == pytest.approx(max(o.values()) / max(t.values()))
+    assert r["ct2_best"] == max(t.values()) and r["ours_best"] == max(o.values())
+  text = scorecard.ct2_table(rows)
+  for r in rows:
+    line = next(l for l in text.splitlines() if l.startswith(f"| {r['preset']} {r['strategy']} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == ("met" if r["f32_ratio"] >= 1.3 else "MISSED"), line
+    assert cells[8] == ("met" if r["best_ratio"] >= 1.0 else "MISSED"), line
+  # one side only: nothing to compare
+  only_small = dict(ct2, results=[r for r in ct2["results"] if r["preset"] == "small"])
+  assert {r["preset"] for r in scorecard.ct2_rows(results, only_small)} == {"small"}
+  # the CLI: the table in scorecard.md, a bad file in one line
+  d = tmp_path / "results"
+  d.mkdir()
+  for name in scorecard.RUNS:
+    (d / f"{name}.json").write_text(json.dumps(_fixture(name)))
+  (tmp_path / "ct2.json").write_text(json.dumps(ct2))
+  assert scorecard.main(["--read", "--dir", str(d), "--ct2", str(tmp_path / "ct2.json")]) == 0
+  assert "CTranslate2 measured here" in (d / "scorecard.md").read_text()
+  assert json.loads((d / "scorecard.json").read_text())["ctranslate2"] == rows
+  with pytest.raises(SystemExit) as e:
+    scorecard.main(["--read", "--dir", str(d), "--ct2", str(tmp_path / "missing.json")])
+  assert str(e.value).startswith("error: --ct2 ")
