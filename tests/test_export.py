@@ -117,9 +117,11 @@ def ct2_log_probs(translator, tok, pairs) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("model", [
-    dict(pre_ln=False),
-    dict(pre_ln=False, share_embeddings=False, tie_output=False),
-    dict(pre_ln=True, share_embeddings=True, tie_output=False),
+    pytest.param(dict(pre_ln=False), marks=pytest.mark.slow),
+    pytest.param(dict(pre_ln=False, share_embeddings=False, tie_output=False),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(pre_ln=True, share_embeddings=True, tie_output=False),
+                 marks=pytest.mark.slow),
     dict(pre_ln=True, share_embeddings=False, tie_output=True),
 ], ids=["post_ln", "post_ln-separate-untied", "pre_ln-untied", "pre_ln-separate"])
 def test_ct2_log_probs_and_greedy_tokens_equal_ours(model, vocab, tmp_path, capsys):

@@ -136,6 +136,7 @@ def test_optimizer_clipping_and_weight_decay():
   np.testing.assert_allclose(u["w"], -0.1 * 0.5 * np.ones(2), rtol=1e-5)
 
 
+@pytest.mark.slow   # ~10 s of compiling: the full suite runs it
 def test_tiny_model_learns_to_reverse_sequences():
   """Loss, masks, teacher forcing and the optimizer work together: reverse random strings."""
   V, L, B, BOS, EOS = 16, 6, 64, 1, 2
@@ -207,6 +208,7 @@ def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
   assert abs(float(m["nll_sum"]) - float(s)) > 0.01 * want_nll   # not the smoothed loss
 
 
+@pytest.mark.slow   # ~10 s of compiling: the full suite runs it
 def test_train_step_applies_adam_when_finite_and_skips_a_nonfinite_step():
   """train_step == the optimizer applied by hand (optax.adam on grads / tokens) when the
   loss is finite; with a non-finite loss the parameters and Adam's moments are left

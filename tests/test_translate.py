@@ -80,6 +80,7 @@ def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypa
     tr.translate_nbest(params, CFG, tok, [""], beam, max_len=CFG.max_len + 1)
 
 
+@pytest.mark.slow   # ~10 s of compiling: the full suite runs it
 def test_translate_chunks_is_translate_nbest_chunk_by_chunk(params):
   """Chunk k of the lazily read sentences is translate_nbest of those sentences at
   fold_in(rng, k); indices of truncated sentences count from the first sentence."""
