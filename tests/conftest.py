@@ -20,6 +20,8 @@ def compile_cache(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(shared / "jax_cache")
+  from seq2seq import compile_cache  # the tests' own programs too: many compile alike
+  compile_cache.enable()
 
 
 @pytest.fixture(scope="session")
