@@ -249,6 +249,7 @@ def test_decode_head_of_every_variant_matches_teacher_forcing(ref, variant):
   np.testing.assert_allclose(out.logits, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow   # ~10 s of compiling: the full suite runs it
 def test_bf16_decode_matches_the_bf16_model_teacher_forced(params, ref):
   """dtype=bfloat16: the loop runs on bf16 copies of the matrices (`decode_params`, the
   embedding tables excepted: they are only looked up). That is exactly what the bf16 model

@@ -390,7 +390,7 @@ def _reference(dtype, pre_ln, packed, params):
   return _REFERENCE_CACHE[key]
 
 
-@pytest.mark.parametrize("table", FAST)
+@pytest.mark.parametrize("table", ["cpu", pytest.param("accelerator", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype,pre_ln,packed", [
     ("float32", False, False),
     pytest.param("float32", True, True, marks=pytest.mark.slow),
