@@ -456,6 +456,17 @@ def run(names: list[str], directory: str, rounds: int = 1) -> list[str]:
   return failed
 
 
+def _read_peer_file(flag: str, path: str) -> dict | None:
+  """A peer benchmark's JSON named by `flag` (None if not given); a bad file is one line."""
+  if not path:
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    sys.exit(f"error: {flag} {path}: {e}")
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--dir", default=os.path.join(HERE, "results", "scorecard"),
@@ -475,20 +486,7 @@ def main(argv=None) -> int:
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     sys.exit(f"error: unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
-  peers = None
-  if args.peers:
-    try:
-      with open(args.peers) as f:
-        peers = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      sys.exit(f"error: --peers {args.peers}: {e}")
-  ct2 = None
-  if args.ct2:
-    try:
-      with open(args.ct2) as f:
-        ct2 = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      sys.exit(f"error: --ct2 {args.ct2}: {e}")
+  peers, ct2 = _read_peer_file("--peers", args.peers), _read_peer_file("--ct2", args.ct2)
   if args.read and not os.path.isdir(args.dir):
     sys.exit(f"error: {args.dir} does not exist: run without --read first")
   failed = [] if args.read else run(names, args.dir, args.rounds)

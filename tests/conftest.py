@@ -10,6 +10,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _session_dir(tmp_path_factory) -> Path:
+  """The session's temporary directory, the one all parallel workers (pytest -n) share."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
   """train.py and decode.py keep compiled programs in ~/.cache/seq2seq/jax; tests (and the
@@ -17,9 +23,7 @@ def compile_cache(tmp_path_factory):
   temporary directory instead: most scripts the tests start compile the same tiny programs.
   Tests of the cache itself, or of compile times, give their own."""
   if "SEQ2SEQ_COMPILE_CACHE" not in os.environ:
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(shared / "jax_cache")
+    os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(_session_dir(tmp_path_factory) / "jax_cache")
   from seq2seq import compile_cache  # the tests' own programs too: many compile alike
   compile_cache.enable()
 
@@ -31,8 +35,7 @@ def default_run(tmp_path_factory):
   only read the workdir. With parallel workers (pytest -n), the first to need it runs it
   and the others wait for it and share it."""
   from filelock import FileLock
-  base = tmp_path_factory.getbasetemp()
-  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default_run"
+  root = _session_dir(tmp_path_factory) / "default_run"
   env = {**os.environ, "TFDS_DATA_DIR": str(root / "tfds")}
   done = root / "process.json"
   with FileLock(str(root) + ".lock"):

@@ -633,12 +633,8 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once(corpus, trained, tmp_path)
   shutil.copytree(trained[0], workdir)
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  # As from a terminal: Python installs its Ctrl-C handler only if SIGINT is not ignored,
-  # and it is in background jobs and test runners' workers (the child inherits that).
-  with_ctrl_c = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
-                 "signal.default_int_handler); sys.argv = sys.argv[1:]; "
-                 "runpy.run_path(sys.argv[0], run_name='__main__')")
-  proc = subprocess.Popen([sys.executable, "-c", with_ctrl_c, str(ROOT / "train.py"),
+  from test_decode_cli import WITH_CTRL_C   # train.py with Ctrl-C handled, as from a terminal
+  proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, str(ROOT / "train.py"),
                            *tiny_args(corpus, workdir, trained[1])], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
