@@ -593,7 +593,8 @@ def _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progre
         tokens_since += host["tokens"]
         train_metrics = {"loss": host["loss_sum"] / n, "accuracy": host["correct"] / n,
                          "learning_rate": float(sched(step)),
-                         "tokens_per_sec": tokens_since / max(now - t_log, 1e-9)}
+                         "tokens_per_sec": tokens_since / max(now - t_log, 1e-9),
+                         "seconds": now - t_log}   # training time since the last log
         writer.write(step, "train", train_metrics)
         if on_log:
           on_log(step, train_metrics)
@@ -653,11 +654,12 @@ def _run_eval(trainer, cfg, state, ds, split, writer, step, bar, samples: int = 
   if split not in ds.splits:
     return {}
   n = 0 if final else cfg.train.num_eval_examples
+  t0 = time.time()
   malloc.release_freed_memory()   # the train steps' kept buffers, before the evaluation's
   m = evaluate_loss(trainer, state.params, ds, split, n)
   tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split, n)
   malloc.release_freed_memory()   # and the evaluation's, before the next train step
-  m.update(tm)
+  m.update(tm, seconds=time.time() - t0)
   writer.write(step, split, m)
   if _is_main():
     lines = [f"[{split} @ {step}] loss {m['loss']:.3f}  ppl {m['perplexity']:.2f}  "
