@@ -591,10 +591,11 @@ def _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progre
         now = time.time()
         n = max(host["tokens"], 1.0)
         tokens_since += host["tokens"]
+        seconds = now - t_log   # training time since the last log
         train_metrics = {"loss": host["loss_sum"] / n, "accuracy": host["correct"] / n,
                          "learning_rate": float(sched(step)),
-                         "tokens_per_sec": tokens_since / max(now - t_log, 1e-9),
-                         "seconds": now - t_log}   # training time since the last log
+                         "tokens_per_sec": tokens_since / max(seconds, 1e-9),
+                         "seconds": seconds}
         writer.write(step, "train", train_metrics)
         if on_log:
           on_log(step, train_metrics)
