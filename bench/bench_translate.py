@@ -1,0 +1,181 @@
+"""Translating a real text file: `translate_nbest` beside CTranslate2, same model, same CPU.
+
+bench_decode.py and bench_peers_ct2.py time a fixed workload (random weights, every row
+exactly 64 new tokens). A real file differs: sources of many lengths, outputs that end
+when the model says so, a batch that runs until its slowest row is done. This script
+translates one file with a trained workdir, in our decoder and in CTranslate2 (the
+workdir exported by `python -m seq2seq.export ctranslate2`, run by the peer's own
+interpreter through peer_ct2_translate.py), and reports seconds, new tokens per second and
+BLEU against the reference:
+
+    python bench/bench_translate.py --workdir runs/bible \\
+        --source $D/test.en --reference $D/test.fr \\
+        --peer_python /work/venvs/ct2/bin/python            # ~5 min for 1,007 verses
+
+Ours: `translate_nbest` (what decode.py runs) at each `--dtypes`, batch `--batch_size`
+sentences; the first pass compiles (its time is reported apart), then `--repeats` passes,
+the median reported. CTranslate2: `translate_batch` with max_batch_size=batch_size,
+intra_threads=2, at each `--compute_types`, after one warm-up batch, median of `--repeats`
+passes. Beam search: size 4, length penalty 0.6 for both (CTranslate2 divides by
+length ** 0.6, we by GNMT's ((5 + length) / 6) ** 0.6); greedy is the same search in
+both. Length limit: ours is each source's length + 50, CTranslate2's
+`--max_decoding_length` (it has no per-source limit). Both read the same source ids
+(`translate.encode_sources`: normalised, cut to the model's max_len). New tokens: the best
+hypothesis of each sentence, EOS counted. Writes bench/results/translate.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+STRATEGIES = {"greedy": 1, "beam4": 4}
+ALPHA = 0.6
+
+
+def _lines(path: str) -> list[str]:
+  with open(path, encoding="utf-8") as f:
+    return f.read().splitlines()
+
+
+def run_ours(workdir, sentences, strategy_name, dtype, batch_size, repeats):
+  from seq2seq import checkpoint, decoding
+  from seq2seq.search import Beam, Greedy
+  from seq2seq.translate import translate_nbest
+  cfg, params, tok = checkpoint.load_workdir(workdir)
+  model_cfg = cfg.model.replace(dtype=dtype)
+  params = decoding.decode_params(model_cfg, params)
+  beam = STRATEGIES[strategy_name]
+  strategy = Beam(size=beam, alpha=ALPHA) if beam > 1 else Greedy()
+  seconds = []
+  for _ in range(repeats + 1):
+    t = time.perf_counter()
+    out = translate_nbest(params, model_cfg, tok, sentences, strategy, batch_size=batch_size)
+    seconds.append(time.perf_counter() - t)
+  return dict(system="seq2seq", precision=dtype, strategy=strategy_name,
+              first_pass_s=seconds[0], seconds=seconds[1:], new_tokens=out.num_tokens,
+              hypotheses=[t[0] for t in out.texts])
+
+
+def run_peer(peer_python, model_dir, workdir, sentences, compute_types, batch_size,
+             max_decoding_length, repeats, intra_threads):
+  from seq2seq import checkpoint
+  from seq2seq.translate import encode_sources
+  cfg, _, tok = checkpoint.load_workdir(workdir)
+  ids, _ = encode_sources(tok, sentences, cfg.model.max_len)
+  skip = [len(s) == 1 for s in ids]   # empty: "" without decoding, as translate_nbest does
+  pieces = [[tok.id_to_piece(i) for i in s[:-1]] for s, e in zip(ids, skip) if not e]
+  job = dict(model_dir=model_dir, sources=pieces, compute_types=compute_types,
+             strategies=list(STRATEGIES.items()), length_penalty=ALPHA,
+             batch_size=batch_size, max_decoding_length=max_decoding_length,
+             repeats=repeats, intra_threads=intra_threads)
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(job, f)
+  try:
+    p = subprocess.run([peer_python, os.path.join(ROOT, "bench", "peer_ct2_translate.py"),
+                        f.name], capture_output=True, text=True, timeout=6 * 3600)
+  finally:
+    os.unlink(f.name)
+  if p.returncode:
+    raise SystemExit(f"peer_ct2_translate.py failed:\n{p.stderr[-3000:]}")
+  res = json.loads(p.stdout.strip().splitlines()[-1])
+  piece_id = {tok.id_to_piece(i): i for i in range(tok.vocab_size)}
+  rows = []
+  for r in res["results"]:
+    if "error" in r:
+      rows.append(dict(system="ctranslate2", precision=r["compute_type"], error=r["error"]))
+      continue
+    hyps = iter(r["hypotheses"])
+    texts = ["" if e else tok.decode([piece_id[p] for p in next(hyps)]) for e in skip]
+    rows.append(dict(system="ctranslate2", precision=r["compute_type"],
+                     strategy=r["strategy"], seconds=r["seconds"],
+                     new_tokens=sum(len(h) + 1 for h in r["hypotheses"]), hypotheses=texts))
+  return res["version"], rows
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--source", required=True, help="one sentence per line")
+  ap.add_argument("--reference", help="its translations, one per line: BLEU")
+  ap.add_argument("--strategies", default=",".join(STRATEGIES))
+  ap.add_argument("--dtypes", default="float32,bfloat16", help="ours")
+  ap.add_argument("--compute_types", default="float32,int8", help="CTranslate2's")
+  ap.add_argument("--batch_size", type=int, default=64, help="sentences per batch")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--max_decoding_length", type=int, default=256)
+  ap.add_argument("--peer_python", default=sys.executable,
+                  help="interpreter with ctranslate2 (its own venv); 'none' skips the peer")
+  ap.add_argument("--ct2_model", help="an existing export of --workdir (default: export now)")
+  ap.add_argument("--intra_threads", type=int, default=2)
+  ap.add_argument("--hypotheses_dir", help="write each row's translations here")
+  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "translate.json"))
+  args = ap.parse_args(argv)
+  from bench_train import cpu_name
+  from seq2seq import metrics
+  sentences = _lines(args.source)
+  references = _lines(args.reference) if args.reference else None
+  if references is not None and len(references) != len(sentences):
+    raise SystemExit(f"{args.reference} has {len(references)} lines, "
+                     f"{args.source} {len(sentences)}")
+  strategies = args.strategies.split(",")
+  rows = []
+  for dtype in args.dtypes.split(","):
+    for s in strategies:
+      rows.append(run_ours(args.workdir, sentences, s, dtype, args.batch_size, args.repeats))
+      print(f"ours {dtype} {s}: {statistics.median(rows[-1]['seconds']):.1f} s", flush=True)
+  version = None
+  if args.peer_python != "none":
+    with tempfile.TemporaryDirectory() as tmp:
+      model_dir = args.ct2_model
+      if model_dir is None:
+        from seq2seq.export import export_ctranslate2
+        model_dir = export_ctranslate2(args.workdir, os.path.join(tmp, "ct2"))["output"]
+      version, peer = run_peer(args.peer_python, model_dir, args.workdir, sentences,
+                               args.compute_types.split(","), args.batch_size,
+                               args.max_decoding_length, args.repeats, args.intra_threads)
+    rows += [r for r in peer if "error" in r or r["strategy"] in strategies]
+
+  print(f"\n{len(sentences)} sentences of {args.source}, batch {args.batch_size}; "
+        f"{cpu_name()}; CTranslate2 {version}")
+  print(f"{'system':12} {'precision':10} {'strategy':8} {'seconds':>8} {'first':>6} "
+        f"{'tokens/s':>9} {'BLEU':>6}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['system']:12} {r['precision']:10} refused: {r['error']}")
+      continue
+    r["median_s"] = statistics.median(r["seconds"])
+    r["tokens_per_sec"] = r["new_tokens"] / r["median_s"]
+    if references is not None:
+      r["bleu"] = metrics.bleu(r["hypotheses"], references)
+    first = f"{r['first_pass_s']:6.1f}" if "first_pass_s" in r else f"{'':6}"
+    print(f"{r['system']:12} {r['precision']:10} {r['strategy']:8} {r['median_s']:8.1f} "
+          f"{first} {r['tokens_per_sec']:9.0f} {r.get('bleu', float('nan')):6.2f}")
+  if args.hypotheses_dir:
+    os.makedirs(args.hypotheses_dir, exist_ok=True)
+    for r in rows:
+      if "hypotheses" in r:
+        name = f"{r['system']}.{r['precision']}.{r['strategy']}.txt"
+        with open(os.path.join(args.hypotheses_dir, name), "w", encoding="utf-8") as f:
+          f.write("".join(h + "\n" for h in r["hypotheses"]))
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"), cpu=cpu_name(),
+                   ctranslate2=version, source=args.source, sentences=len(sentences),
+                   batch_size=args.batch_size,
+                   rows=[{k: v for k, v in r.items() if k != "hypotheses"} for r in rows]),
+              f, indent=1)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,45 @@
+"""bench/bench_translate.py on the trained default model: both systems translate the same
+held-out sentences, the JSON's BLEU is sacreBLEU's of the translations it wrote, and the
+CTranslate2 export's greedy translations are ours (the same model, the same search)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import sacrebleu
+
+from seq2seq.data import numbers
+
+pytest.importorskip("ctranslate2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_translates_a_file_with_both_systems(default_run, tmp_path):
+  test = numbers.split_numbers()["test"][::5]
+  src, ref = tmp_path / "src.en", tmp_path / "ref.fr"
+  src.write_text("".join(numbers.number_words(int(n), "en") + "\n" for n in test))
+  ref.write_text("".join(numbers.number_words(int(n), "fr") + "\n" for n in test))
+  out, hyps = tmp_path / "translate.json", tmp_path / "hyps"
+  p = subprocess.run(
+      [sys.executable, "bench/bench_translate.py", "--workdir", str(default_run[0]),
+       "--source", str(src), "--reference", str(ref), "--strategies", "greedy,beam4",
+       "--dtypes", "float32", "--compute_types", "float32", "--repeats", "1",
+       "--batch_size", "32", "--hypotheses_dir", str(hyps), "--out", str(out)],
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stderr[-3000:]
+  result = json.loads(out.read_text())
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  from bench_train import cpu_name
+  assert result["cpu"] == cpu_name() and result["cpu"] in p.stdout   # the CPU named
+  rows = {(r["system"], r["strategy"]): r for r in result["rows"]}
+  assert set(rows) == {(s, t) for s in ("seq2seq", "ctranslate2") for t in ("greedy", "beam4")}
+  references = ref.read_text().splitlines()
+  for (system, strategy), r in rows.items():
+    texts = (hyps / f"{system}.float32.{strategy}.txt").read_text().splitlines()
+    assert len(texts) == len(test)
+    assert r["bleu"] == pytest.approx(sacrebleu.corpus_bleu(texts, [references]).score)
+    assert r["bleu"] > 90   # a trained model, every sentence translated
+    assert r["tokens_per_sec"] == pytest.approx(r["new_tokens"] / r["median_s"])
+  ours = (hyps / "seq2seq.float32.greedy.txt").read_text()
+  assert (hyps / "ctranslate2.float32.greedy.txt").read_text() == ours
