@@ -5,6 +5,7 @@ shapes, each form checked against the plain one before it is timed.
     python bench/micro.py layouts --few_rows    # ~1 min: a decode step's x·W, two layouts
     python bench/micro.py skinny                # ~1 min: the decoder's FFN with 8-64 rows
     python bench/micro.py head_chunks           # ~1 min: the fused head + loss, in slices
+    python bench/micro.py int8 --presets base   # ~1 min: a decode step's matmuls, int8 vs bf16
 
 layouts      y = x·W has two gradients, dx = g·Wᵀ and dW = xᵀ·g. Written plainly, each reads
              a transposed operand, and XLA:CPU runs such a dot in float32 through Eigen
@@ -29,6 +30,13 @@ skinny       the decode step's FFN matmuls alone: x <- x + relu(x W1) W2 over ev
              Then the ceiling those rates put on each bench_decode.py workload: tokens/s if
              every matmul of its step (bench_decode.step_cost) ran at the chain's rate for
              its row count, nothing else counted.
+int8         whether int8 weights would pay in the decode step: every matmul of the step
+             (per decoder layer Q|K|V, three d x d, the FFN's two; the head once), N rows
+             (bench_decode.py's greedy and beam-4 rows), bf16 x·W with float32 accumulation
+             against int8 weights (one scale per output column) times int8 activations
+             (one scale per row, quantized in the step), int32 accumulation, rescaled to
+             float32: XLA's int8 dot, as a fast-layer int8 path would run it. Both read
+             distinct weight copies (cold, as in the decode loop); the step's total per form.
 head_chunks  the gradient of kernels.cpu_head.head_loss (tied [V, D] head, label smoothing
              0.1, 1/8 padding) for the train workloads, cut into 1, 2, 4, 8 slices of the
              target length: the evidence for `cpu_head.head_chunks`' rule.
@@ -318,6 +326,99 @@ def skinny(args) -> dict:
               read_bandwidth=bandwidth, results=results, decode_ceilings=limits)
 
 
+# --- int8 ---------------------------------------------------------------------------------------
+
+def decode_step_weights(cfg) -> list[tuple[int, int, int]]:
+  """(K, N, count per step) of every matmul of a cached decode step: per decoder layer the
+  fused Q|K|V, the self-attention output, the cross-attention query and output, the FFN's
+  two; the head once."""
+  d, f, n = cfg.d_model, cfg.d_ff, cfg.num_decoder_layers
+  return [(d, 3 * d, n), (d, d, 3 * n), (d, f, n), (f, d, n), (d, cfg.vocab_size, 1)]
+
+
+def int8_weights(w_KxN):
+  """int8 weights and one float32 scale per output column (absmax / 127)."""
+  scale_N = jnp.maximum(jnp.max(jnp.abs(w_KxN), axis=0), 1e-30) / 127.0
+  return jnp.round(w_KxN / scale_N).astype(jnp.int8), scale_N.astype(F32)
+
+
+def int8_dot(x_MxK, wq_KxN, scale_N):
+  """x·W with x quantized per row to int8 in the call, int32 accumulation, float32 out."""
+  a_Mx1 = jnp.maximum(jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True), 1e-30) / 127.0
+  xq_MxK = jnp.round(x_MxK / a_Mx1).astype(jnp.int8)
+  y_MxN = jax.lax.dot_general(xq_MxK, wq_KxN, (((1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.int32)
+  return y_MxN.astype(F32) * a_Mx1 * scale_N
+
+
+INT8_FORMS = {
+    "bf16": lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=F32),
+    "int8": lambda x, w: int8_dot(x, *w),
+}
+
+
+def int8_measure(rows: int, k: int, n: int, repeats: int, cold_bytes: float = 100e6,
+                 forms: dict = INT8_FORMS) -> dict:
+  """Seconds per x·W of each form over distinct weight copies (each dot waiting for the
+  previous one), checked against the float32 product: bf16 to 2%, int8 to 5% of its
+  largest element."""
+  copies = max(2, int(cold_bytes // (2 * k * n)))
+  rng = np.random.default_rng(0)
+  w0 = rng.standard_normal((k, n), np.float32) * k ** -0.5
+  x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+  scaled = [jnp.asarray(w0 * (1 + 0.01 * i)) for i in range(copies)]
+  weights = {"bf16": [w.astype(jnp.bfloat16) for w in scaled],
+             "int8": [int8_weights(w) for w in scaled]}
+  want = np.asarray(x, np.float64) @ (w0.astype(np.float64) * (1 + 0.01 * (copies - 1)))
+
+  def chain(form):
+    def f(x, ws):
+      y = None
+      for w in ws:   # the barrier keeps the next line out of the dot's fusion
+        y = jax.lax.optimization_barrier(forms[form](x, w))
+        x = x + 1e-6 * y.sum(axis=1, keepdims=True)
+      return y
+    return jax.jit(f)
+
+  fns = {}
+  for form in forms:
+    f, ws = chain(form), weights[form if form in weights else "int8"]
+    _allclose(f(x, ws), want, 2e-2 if form == "bf16" else 5e-2, f"{form} against float32")
+    fns[form] = (lambda f=f, ws=ws: jax.block_until_ready(f(x, ws)))
+  secs = interleaved_medians(fns, repeats, block=1)
+  return dict(rows=rows, k=k, n=n, copies=copies,
+              **{form: dict(s=t / copies) for form, t in secs.items()})
+
+
+def int8(args) -> dict:
+  results, steps = [], []
+  for preset in args.presets.split(","):
+    w = bench_decode.WORKLOADS.get(preset, {})
+    cfg = seq2seq.get_config(preset, vocab_size=args.vocab or w.get("vocab_size", 8000))
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else decode_rows(preset)
+    for r in rows:
+      step = dict(preset=preset, rows=r, bf16=0.0, int8=0.0)
+      for k, n, count in decode_step_weights(cfg):
+        m = int8_measure(r, k, n, args.repeats, cold_bytes=args.cold_mb * 1e6)
+        results.append(dict(preset=preset, count=count, **m))
+        for form in ("bf16", "int8"):
+          step[form] += count * m[form]["s"]
+      steps.append(step)
+      print(f"  {preset} rows {r} done", file=sys.stderr, flush=True)
+  print("A decode step's matmuls, bf16 weights against int8 weights x int8 activations "
+        "(XLA's int8 dot), cold weights; bf16 time / int8 time (> 1: int8 pays)")
+  print(f"{'preset':6s} {'rows':>4s} {'K':>5s} {'N':>6s} {'x/step':>6s} {'bf16 us':>8s} "
+        f"{'int8 us':>8s} {'ratio':>6s}")
+  for r in results:
+    print(f"{r['preset']:6s} {r['rows']:4d} {r['k']:5d} {r['n']:6d} {r['count']:6d} "
+          f"{r['bf16']['s'] * 1e6:8.1f} {r['int8']['s'] * 1e6:8.1f} "
+          f"{r['bf16']['s'] / r['int8']['s']:6.2f}")
+  for st in steps:
+    print(f"{st['preset']:6s} {st['rows']:4d} whole step: bf16 {st['bf16'] * 1e3:.2f} ms, "
+          f"int8 {st['int8'] * 1e3:.2f} ms, {st['bf16'] / st['int8']:.2f}x")
+  return dict(results=results, steps=steps)
+
+
 # --- head_chunks --------------------------------------------------------------------------------
 
 def head_measure(batch: int, length: int, d: int, vocab: int, dtype: str, chunks: list[int],
@@ -395,6 +496,11 @@ def main(argv=None) -> dict:
   p = sub.add_parser("skinny", parents=[common], help="the decoder's FFN chain, few rows")
   p.add_argument("--rows", default="8,16,32,64")
   p.add_argument("--repeats", type=int, default=15)
+  p = sub.add_parser("int8", parents=[common], help="a decode step's matmuls, int8 vs bf16")
+  p.add_argument("--rows", default="", help="rows (default: the decode workload's)")
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--cold_mb", type=float, default=100.0,
+                 help="MB of distinct weight copies per chain")
   p = sub.add_parser("head_chunks", parents=[common], help="the head + loss, in slices")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--chunks", default="1,2,4,8")
@@ -405,7 +511,7 @@ def main(argv=None) -> dict:
 
   what = "few_rows" if getattr(args, "few_rows", False) else args.what
   run = {"layouts": layouts, "few_rows": few_rows, "skinny": skinny,
-         "head_chunks": head_chunks}[what]
+         "head_chunks": head_chunks, "int8": int8}[what]
   result = run(args)
   out = args.out or os.path.join(HERE, "results", f"micro_{what}.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

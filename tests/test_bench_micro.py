@@ -94,3 +94,30 @@ def test_head_chunks_cli_writes_the_rule_and_the_heads_flops(tmp_path):
   loss = lambda y, w: cpu_head.head_loss(y, w, None, t, jnp.ones(t.shape), chunks=1)[0]
   assert r["flops"] == _flops(jax.value_and_grad(loss, argnums=(0, 1)), (batch, length, d),
                               (vocab, d))
+
+
+def test_int8_forms_agree_with_float32_and_a_wrong_one_is_caught():
+  r = micro.int8_measure(4, K, N, repeats=1, cold_bytes=8 * K * N)
+  assert r["copies"] == 4 and r["bf16"]["s"] > 0 and r["int8"]["s"] > 0
+  wrong = dict(micro.INT8_FORMS, int8=lambda x, w: micro.int8_dot(x, w[0], w[1] * 1.1))
+  with pytest.raises(AssertionError, match="int8 against float32"):
+    micro.int8_measure(4, K, N, repeats=1, cold_bytes=8 * K * N, forms=wrong)
+
+
+def test_int8_dot_is_the_product_of_the_quantized_operands():
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  w = rng.standard_normal((K, N)).astype(np.float32)
+  wq, s = micro.int8_weights(jnp.asarray(w))
+  assert wq.dtype == jnp.int8 and np.abs(np.asarray(wq)).max() == 127
+  a = np.abs(x).max(axis=1, keepdims=True) / 127
+  xq = np.round(x / a)
+  want = (xq.astype(np.int64) @ np.asarray(wq, np.int64)) * a * np.asarray(s)
+  np.testing.assert_allclose(micro.int8_dot(jnp.asarray(x), wq, s), want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_step_weights_are_the_step_matmuls_bench_decode_counts():
+  cfg = micro.seq2seq.get_config("base", vocab_size=32000)
+  flops = sum(2 * 8 * k * n * count for k, n, count in micro.decode_step_weights(cfg))
+  want, _ = bench_decode.step_cost(cfg, 8, 0, 0)   # no attention: the weights' matmuls only
+  assert flops == want
