@@ -47,13 +47,10 @@ def _lines(path: str) -> list[str]:
     return f.read().splitlines()
 
 
-def run_ours(workdir, sentences, strategy_name, dtype, batch_size, repeats):
-  from seq2seq import checkpoint, decoding
+def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repeats):
+  """`params` already as `decoding.decode_params(model_cfg, ...)` makes them."""
   from seq2seq.search import Beam, Greedy
   from seq2seq.translate import translate_nbest
-  cfg, params, tok = checkpoint.load_workdir(workdir)
-  model_cfg = cfg.model.replace(dtype=dtype)
-  params = decoding.decode_params(model_cfg, params)
   beam = STRATEGIES[strategy_name]
   strategy = Beam(size=beam, alpha=ALPHA) if beam > 1 else Greedy()
   seconds = []
@@ -61,17 +58,15 @@ def run_ours(workdir, sentences, strategy_name, dtype, batch_size, repeats):
     t = time.perf_counter()
     out = translate_nbest(params, model_cfg, tok, sentences, strategy, batch_size=batch_size)
     seconds.append(time.perf_counter() - t)
-  return dict(system="seq2seq", precision=dtype, strategy=strategy_name,
+  return dict(system="seq2seq", precision=model_cfg.dtype, strategy=strategy_name,
               first_pass_s=seconds[0], seconds=seconds[1:], new_tokens=out.num_tokens,
               hypotheses=[t[0] for t in out.texts])
 
 
-def run_peer(peer_python, model_dir, workdir, sentences, compute_types, batch_size,
+def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, batch_size,
              max_decoding_length, repeats, intra_threads):
-  from seq2seq import checkpoint
   from seq2seq.translate import encode_sources
-  cfg, _, tok = checkpoint.load_workdir(workdir)
-  ids, _ = encode_sources(tok, sentences, cfg.model.max_len)
+  ids, _ = encode_sources(tok, sentences, max_len)
   skip = [len(s) == 1 for s in ids]   # empty: "" without decoding, as translate_nbest does
   pieces = [[tok.id_to_piece(i) for i in s[:-1]] for s, e in zip(ids, skip) if not e]
   job = dict(model_dir=model_dir, sources=pieces, compute_types=compute_types,
@@ -121,17 +116,21 @@ def main(argv=None):
   ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "translate.json"))
   args = ap.parse_args(argv)
   from bench_train import cpu_name
-  from seq2seq import metrics
+  from seq2seq import checkpoint, decoding, metrics
   sentences = _lines(args.source)
   references = _lines(args.reference) if args.reference else None
   if references is not None and len(references) != len(sentences):
     raise SystemExit(f"{args.reference} has {len(references)} lines, "
                      f"{args.source} {len(sentences)}")
   strategies = args.strategies.split(",")
+  cfg, params, tok = checkpoint.load_workdir(args.workdir)
   rows = []
   for dtype in args.dtypes.split(","):
+    model_cfg = cfg.model.replace(dtype=dtype)
+    decode_params = decoding.decode_params(model_cfg, params)
     for s in strategies:
-      rows.append(run_ours(args.workdir, sentences, s, dtype, args.batch_size, args.repeats))
+      rows.append(run_ours(model_cfg, decode_params, tok, sentences, s, args.batch_size,
+                           args.repeats))
       print(f"ours {dtype} {s}: {statistics.median(rows[-1]['seconds']):.1f} s", flush=True)
   version = None
   if args.peer_python != "none":
@@ -140,7 +139,7 @@ def main(argv=None):
       if model_dir is None:
         from seq2seq.export import export_ctranslate2
         model_dir = export_ctranslate2(args.workdir, os.path.join(tmp, "ct2"))["output"]
-      version, peer = run_peer(args.peer_python, model_dir, args.workdir, sentences,
+      version, peer = run_peer(args.peer_python, model_dir, cfg.model.max_len, tok, sentences,
                                args.compute_types.split(","), args.batch_size,
                                args.max_decoding_length, args.repeats, args.intra_threads)
     rows += [r for r in peer if "error" in r or r["strategy"] in strategies]

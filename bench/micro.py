@@ -382,7 +382,7 @@ def int8_measure(rows: int, k: int, n: int, repeats: int, cold_bytes: float = 10
 
   fns = {}
   for form in forms:
-    f, ws = chain(form), weights[form if form in weights else "int8"]
+    f, ws = chain(form), weights[form]
     _allclose(f(x, ws), want, 2e-2 if form == "bf16" else 5e-2, f"{form} against float32")
     fns[form] = (lambda f=f, ws=ws: jax.block_until_ready(f(x, ws)))
   secs = interleaved_medians(fns, repeats, block=1)
