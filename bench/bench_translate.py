@@ -63,14 +63,14 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
               hypotheses=[t[0] for t in out.texts])
 
 
-def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, batch_size,
-             max_decoding_length, repeats, intra_threads):
+def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, strategies,
+             batch_size, max_decoding_length, repeats, intra_threads):
   from seq2seq.translate import encode_sources
   ids, _ = encode_sources(tok, sentences, max_len)
   skip = [len(s) == 1 for s in ids]   # empty: "" without decoding, as translate_nbest does
   pieces = [[tok.id_to_piece(i) for i in s[:-1]] for s, e in zip(ids, skip) if not e]
   job = dict(model_dir=model_dir, sources=pieces, compute_types=compute_types,
-             strategies=list(STRATEGIES.items()), length_penalty=ALPHA,
+             strategies=[(s, STRATEGIES[s]) for s in strategies], length_penalty=ALPHA,
              batch_size=batch_size, max_decoding_length=max_decoding_length,
              repeats=repeats, intra_threads=intra_threads)
   with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -140,12 +140,13 @@ def main(argv=None):
         from seq2seq.export import export_ctranslate2
         model_dir = export_ctranslate2(args.workdir, os.path.join(tmp, "ct2"))["output"]
       version, peer = run_peer(args.peer_python, model_dir, cfg.model.max_len, tok, sentences,
-                               args.compute_types.split(","), args.batch_size,
+                               args.compute_types.split(","), strategies, args.batch_size,
                                args.max_decoding_length, args.repeats, args.intra_threads)
-    rows += [r for r in peer if "error" in r or r["strategy"] in strategies]
+    rows += peer
 
+  cpu = cpu_name()
   print(f"\n{len(sentences)} sentences of {args.source}, batch {args.batch_size}; "
-        f"{cpu_name()}; CTranslate2 {version}")
+        f"{cpu}; CTranslate2 {version}")
   print(f"{'system':12} {'precision':10} {'strategy':8} {'seconds':>8} {'first':>6} "
         f"{'tokens/s':>9} {'BLEU':>6}")
   for r in rows:
@@ -168,7 +169,7 @@ def main(argv=None):
           f.write("".join(h + "\n" for h in r["hypotheses"]))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
-    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"), cpu=cpu_name(),
+    json.dump(dict(date=datetime.datetime.now().isoformat(timespec="seconds"), cpu=cpu,
                    ctranslate2=version, source=args.source, sentences=len(sentences),
                    batch_size=args.batch_size,
                    rows=[{k: v for k, v in r.items() if k != "hypotheses"} for r in rows]),
