@@ -153,16 +153,18 @@ class Transformer(nn.Module):
 
     Returns (logits [B, T, V], new cache), or with return_features the decoder output
     [B, T, D] instead of the logits. Queries attend to cache slots <= their position.
-    `cross_kv` and `src_valid` may have B / r rows, each shared by r consecutive rows of
-    `tokens` (beams of one source).
+    `index` is a scalar, or [B]: each row's own position (rows that started at different
+    steps). `cross_kv` and `src_valid` may have B / r rows, each shared by r consecutive
+    rows of `tokens` (beams of one source).
     """
     t = tokens_BxT.shape[1]
     max_len = cache[0]["k"].shape[2]
-    q_pos = index + jnp.arange(t)
-    self_mask = (jnp.arange(max_len)[None, :] <= q_pos[:, None])[None, None]  # [1,1,T,L]
+    q_pos_BxT = jnp.reshape(index, (-1, 1)) + jnp.arange(t)   # [1, T] for a scalar index
+    self_mask = jnp.arange(max_len) <= q_pos_BxT[:, None, :, None]             # [B|1,1,T,L]
     x_mask = src_valid_BxS[:, None, None, :]                                    # [B,1,1,S]
     y_BxTxD = self._tgt_embed()(tokens_BxT)
-    y_BxTxD, cache = self.decoder(y_BxTxD, cross_kv, self_mask, x_mask, None, False,
+    positions = None if jnp.ndim(index) == 0 else q_pos_BxT
+    y_BxTxD, cache = self.decoder(y_BxTxD, cross_kv, self_mask, x_mask, positions, False,
                                   cache, index)
     return (y_BxTxD if return_features else self.output_head(y_BxTxD)), cache
 

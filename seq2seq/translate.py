@@ -1,4 +1,4 @@
-"""Strings in, strings out: the translation API over `decoding.decode`.
+"""Strings in, strings out: the translation API over `slots.decode_stream`.
 
     cfg, params, tokenizer = load_workdir("runs/default")     # seq2seq.checkpoint
     translate(params, cfg.model, tokenizer, ["twelve", "forty-two"], Beam())
@@ -17,13 +17,21 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from seq2seq import slots
 from seq2seq.config import TransformerConfig
 from seq2seq.decoding import _variables, as_key, decode, decode_params
 from seq2seq.search import Beam, Greedy, Sample, Strategy, _check, _is_int
+from seq2seq.slots import StreamStats
 
 
 def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
+
+
+def _ids(tokens, length: int, eos: int) -> list[int]:
+  """A hypothesis' ids: its `length` tokens without the final EOS."""
+  ids = tokens[:length].tolist()
+  return ids[:-1] if ids and ids[-1] == eos else ids
 
 
 def _sentences(sentences) -> Sequence[str]:
@@ -79,27 +87,38 @@ def encode_sources(tokenizer, sentences: Sequence[str], max_len: int, *,
   return srcs, truncated
 
 
+BATCHING = ("slots", "fixed")
+
+
 def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
                     strategy: Strategy = Greedy(), *, batch_size: int = 64,
                     length_multiple: int = 16, max_len: int | None = None, rng=None,
                     truncate: bool = True, skip_empty: bool = True,
-                    progress: Callable[[int], Any] | None = None) -> Translations:
+                    progress: Callable[[int], Any] | None = None,
+                    batching: str = "slots", stats: StreamStats | None = None) -> Translations:
   """Translates `sentences`: every hypothesis (n_best for beam search) with its score.
 
-  Sources are `source_ids(tokenizer, s)`. Sentences are sorted by length and batched;
-  each batch is padded to a multiple of `length_multiple` tokens and to a power-of-two
-  number of rows (at most batch_size), so few shapes are compiled and reused. Batch `n`
-  decodes with `fold_in(rng, n)`.
+  Sources are `source_ids(tokenizer, s)`, padded to a multiple of `length_multiple` tokens
+  so few shapes are compiled and reused.
 
+  batching: "slots" (`slots.decode_stream`): `batch_size` sentences decode together and
+    one that ends hands its place to the next, longest sources first; sentence j (counting
+    the sentences decoded, not the skipped ones) samples with `fold_in(rng, j)`. "fixed":
+    sorted by length, cut into batches of `batch_size` (rows rounded up to a power of two),
+    each decoded by `decoding.decode` until its slowest row ends; batch n samples with
+    `fold_in(rng, n)`. Greedy and beam search give the same translations either way.
   truncate: a source longer than config.max_len is cut to it (EOS kept) and listed in
     `truncated`; False raises UserError instead.
   skip_empty: a sentence with no tokens (empty or blank) translates to "" with score 0
     without running the model; False decodes it as the source [eos].
-  progress: called with the number of sentences finished after each batch.
+  progress: called with the number of sentences finished, as they finish.
+  stats: with "slots", a StreamStats to add the decode's step counts to.
   """
   _check(isinstance(strategy, (Greedy, Sample, Beam)),
          f"strategy must be Greedy(), Sample(...) or Beam(...), got {strategy!r}")
   _check(_is_int(batch_size) and batch_size >= 1, f"batch_size must be >= 1, got {batch_size!r}")
+  _check(batching in BATCHING, f"batching must be one of {', '.join(BATCHING)}, "
+         f"got {batching!r}")
   _check(max_len is None or (_is_int(max_len) and 1 <= max_len <= cfg.max_len),
          f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
   pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
@@ -110,9 +129,23 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   todo = [i for i, s in enumerate(srcs) if not (skip_empty and len(s) == 1)]
   if progress is not None and len(todo) < len(srcs):
     progress(len(srcs) - len(todo))
+  params = decode_params(cfg, _variables(params))   # once, not per batch
+  bos = int(tokenizer.bos_id)
+  if batching == "slots":
+    out = [] if not todo else slots.decode_stream(cfg, params, [srcs[i] for i in todo], strategy, bos_id=bos,
+                              eos_id=eos, pad_id=pad, slots=batch_size, max_len=max_len,
+                              rng=rng, length_multiple=length_multiple, progress=progress,
+                              stats=stats)
+    num_tokens = 0
+    for i, (toks, scr, lens) in zip(todo, out):
+      # An empty beam slot (score -inf) is dropped; the best hypothesis is always kept.
+      keep = [j for j in range(len(scr)) if j == 0 or scr[j] > -np.inf]
+      texts[i] = [tokenizer.decode(_ids(toks[j], lens[j], eos)) for j in keep]
+      scores[i] = [float(scr[j]) for j in keep]
+      num_tokens += int(sum(lens[j] for j in keep))
+    return Translations(texts, scores, num_tokens, truncated)
   order = sorted(todo, key=lambda i: len(srcs[i]))
   key = as_key(rng)
-  params = decode_params(cfg, _variables(params))   # once, not per batch
   num_tokens = 0
   for n, start in enumerate(range(0, len(order), batch_size)):
     idx = order[start:start + batch_size]
@@ -122,7 +155,7 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
     src[len(idx):, 0] = eos                     # filler rows: an empty sentence
     for r, i in enumerate(idx):
       src[r, :len(srcs[i])] = srcs[i]
-    res = decode(cfg, params, src, strategy, bos_id=int(tokenizer.bos_id), eos_id=eos,
+    res = decode(cfg, params, src, strategy, bos_id=bos, eos_id=eos,
                  pad_id=pad, max_len=max_len, rng=jax.random.fold_in(key, n))
     hyps = [res.token_lists(eos, j) for j in range(res.tokens.shape[1])]
     for r, i in enumerate(idx):

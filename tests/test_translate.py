@@ -47,37 +47,50 @@ def test_translate_keeps_input_order_and_matches_decode(params):
     tr.translate(params, CFG, tok, ["a" * 69], Greedy())
 
 
-def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypatch):
+@pytest.mark.parametrize("batching", tr.BATCHING)
+def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypatch, batching):
   tok = _Chars()
   beam = Beam(size=2, alpha=0.6, n_best=2)
-  done, results, decode = [], [], tr.decode
-  monkeypatch.setattr(tr, "decode", lambda *a, **k: results.append(decode(*a, **k))
-                      or results[-1])
+  done = []
   long = "a" * 80                              # 81 tokens with EOS; the model reads 64
   out = tr.translate_nbest(params, CFG, tok, ["hello", "", "abc", long], beam,
-                            progress=done.append)
-  (res,) = results                             # one batch of 3 sentences (4 rows)
-  assert out.num_tokens == res.lengths[:3].sum() > 0
+                            progress=done.append, batching=batching)
+  # Each sentence as `decode` translates it alone (the long one cut to 63 tokens + EOS).
+  tokens = 0
+  for i, text in ((0, "hello"), (2, "abc"), (3, "a" * 63)):
+    ids = tok.encode(text) + [tok.eos_id]
+    alone = decoding.decode(CFG, params, np.array([ids], np.int32), beam, bos_id=tok.bos_id,
+                            eos_id=tok.eos_id)
+    assert out.texts[i] == [tok.decode(h[0]) for h in
+                            (alone.token_lists(tok.eos_id, j) for j in range(2))]
+    np.testing.assert_allclose(out.scores[i], alone.scores[0], rtol=1e-5)
+    tokens += alone.lengths[0].sum()
+  assert out.num_tokens == tokens > 0
   assert out.truncated == [3]
-  assert done == [1, 3]                        # the empty line first, then one batch
+  assert done[0] == 1 and sum(done) == 4       # the empty line first, then the others
   assert out.texts[1] == [""] and out.scores[1] == [0.0]
   for i in (0, 2, 3):
     assert len(out.texts[i]) == 2 and out.texts[i][0] != out.texts[i][1]
     assert out.scores[i][0] >= out.scores[i][1] > -np.inf
   # Truncation keeps EOS: the cut source is the 63 first tokens + EOS, i.e. "a" * 63.
-  same = tr.translate_nbest(params, CFG, tok, ["hello", "", "abc", "a" * 63], beam)
+  same = tr.translate_nbest(params, CFG, tok, ["hello", "", "abc", "a" * 63], beam,
+                            batching=batching)
   assert same.truncated == [] and same.texts == out.texts and same.scores == out.scores
   # The best hypothesis is what translate() returns (which neither cuts nor skips).
   assert tr.translate(params, CFG, tok, ["hello", "abc", "a" * 63], beam) == \
       [out.texts[i][0] for i in (0, 2, 3)]
   with pytest.raises(UserError, match="sentence 0 has 81 tokens"):
-    tr.translate_nbest(params, CFG, tok, [long], beam, truncate=False)
+    tr.translate_nbest(params, CFG, tok, [long], beam, truncate=False, batching=batching)
   # Empty lines never reach the model.
-  monkeypatch.setattr(tr, "decode", lambda *a, **k: pytest.fail("decoded an empty line"))
-  empty = tr.translate_nbest(params, CFG, tok, ["", ""], beam)
+  fail = lambda *a, **k: pytest.fail("decoded an empty line")
+  monkeypatch.setattr(tr, "decode", fail)
+  monkeypatch.setattr(tr.slots, "decode_stream", fail)
+  empty = tr.translate_nbest(params, CFG, tok, ["", ""], beam, batching=batching)
   assert empty == tr.Translations([[""], [""]], [[0.0], [0.0]], 0, [])
   with pytest.raises(UserError, match="max_len must be in"):
     tr.translate_nbest(params, CFG, tok, [""], beam, max_len=CFG.max_len + 1)
+  with pytest.raises(UserError, match="batching must be one of slots, fixed"):
+    tr.translate_nbest(params, CFG, tok, [""], beam, batching="dynamic")
 
 
 @pytest.mark.slow   # ~10 s of compiling: the full suite runs it
