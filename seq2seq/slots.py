@@ -4,25 +4,27 @@ ended.
 `decoding.decode` runs a batch until its slowest row is done, so on real text (sentences of
 many lengths) a third to a half of its row-steps produce nothing. `decode_stream` keeps
 `slots` sentences stepping together in one compiled loop instead; when a sentence ends, its
-result is taken out and the next waiting source takes its slot: it is encoded, its
+result is copied out and the next waiting source takes its slot: it is encoded, its
 cross-attention keys and values are written there, and its step count starts again at 0
 (the self-attention cache needs no clearing: a slot attends only to the positions it has
 written since). For beam search a slot is one sentence's `size` beams.
 
-    state = empty slots ─▶ insert(sources, slots) ─▶ run until `refill` slots are free ─┐
-                                  ▲                                                   │
-                                  └──── results of the finished slots taken out ◀─────┘
+    one compiled loop, per source width:
+      ┌─▶ fill: while `refill` slots are free and sources wait, the finished ones'
+      │         results go to the output buffer and `refill` queued sources are encoded
+      │         into them (`_insert`)
+      └── step every slot once (search.py's `sample_step` / `beam_step`, per-row positions)
+    exits when the queue is used up (or, to narrow, when no slot holds a wider source)
 
-The host drives the refills: `run` returns as soon as `refill` slots are free (or every slot
-is, once no source waits), and `insert` encodes `refill` sources at a time, so each of the
-two compiles once per source width. Sources go in longest first: the slots' source width
-(and their output buffers, source length + 50) only shrinks, by slicing, once no slot holds
-a longer source, and the last sentences to finish are the shortest.
+The host hands the loop a queue of up to `queue` sources of one width at a time and takes
+the results out when it returns, so the loop compiles once per source width, as
+`decode` compiles once per batch width. Sources go in longest first: the slots' source
+width (and their output buffers, source length + 50) only ever shrinks, by slicing, once
+no slot holds a longer source, and the last sentences to finish are the shortest.
 
-Every row keeps its own step: `Transformer.decode_step` takes per-row positions, and the
-search steps are search.py's own (`sample_step`, `beam_step`), so a sentence decodes as
-`decode` would decode it alone. Sampling draws from one key per sentence, folded with the
-sentence's index: its translation does not depend on the batch it shares.
+Every row keeps its own step (`Transformer.decode_step` takes per-row positions), so a
+sentence decodes as `decode` decodes it alone. Sampling draws from one key per sentence,
+folded with its index: its translation does not depend on the sentences beside it.
 """
 from __future__ import annotations
 
@@ -48,14 +50,13 @@ __all__ = ["decode_stream", "StreamStats"]
 
 @dataclasses.dataclass
 class StreamStats:
-  """What a `decode_stream` call spent: loop steps, slot-steps (steps × slots) and the tokens
-  of the returned best hypotheses (EOS included). `useful` = tokens / slot_steps: the share
-  of slot-steps that produced a token the caller gets."""
+  """What `decode_stream` calls spent: loop steps, slot-steps (steps × slots), the tokens of
+  the returned best hypotheses (EOS included) and the loop's returns to the host. `useful`
+  = tokens / slot_steps: the share of slot-steps that produced a token the caller gets."""
   steps: int = 0
   slot_steps: int = 0
   tokens: int = 0
   runs: int = 0
-  inserts: int = 0
 
   @property
   def useful(self) -> float:
@@ -66,32 +67,38 @@ def _beam(strategy) -> int:
   return strategy.size if isinstance(strategy, Beam) else 1
 
 
+def _fresh_carry(strategy: Strategy, state, rows: int, out_len: int, *, bos_id: int,
+                 pad_id: int) -> dict:
+  """The search carry of `rows` sentences before their first step, with per-row steps."""
+  if isinstance(strategy, Beam):
+    carry = beam_carry(state, rows, strategy, out_len, bos_id=bos_id, pad_id=pad_id)
+  else:
+    carry = sample_carry(state, rows, out_len, bos_id=bos_id, pad_id=pad_id)
+  return dict(carry, i=jnp.zeros((rows,), jnp.int32))
+
+
 def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: int,
                  out_len: int, *, bos_id: int, pad_id: int) -> dict:
-  """Every slot free (done), source width `width`, output buffers of `out_len` tokens."""
-  k = _beam(strategy)
-  cache = init_cache(cfg, slots * k, out_len)
-  if isinstance(strategy, Beam):
-    carry = beam_carry(cache, slots, strategy, out_len, bos_id=bos_id, pad_id=pad_id)
-  else:
-    carry = sample_carry(cache, slots, out_len, bos_id=bos_id, pad_id=pad_id)
-  carry = dict(carry, i=jnp.zeros((slots,), jnp.int32), done=jnp.ones((slots,), bool))
+  """Every slot free: done, holding no source (id -1); source width `width`, output
+  buffers of `out_len` tokens."""
+  cache = init_cache(cfg, slots * _beam(strategy), out_len)
+  carry = _fresh_carry(strategy, cache, slots, out_len, bos_id=bos_id, pad_id=pad_id)
   kv = jnp.zeros((slots, cfg.num_heads, width, cfg.head_dim), cfg.dtype)
-  state = dict(carry=carry, cross_kv=tuple((kv, kv) for _ in range(cfg.num_decoder_layers)),
+  state = dict(carry=dict(carry, done=jnp.ones((slots,), bool)),
+               cross_kv=tuple((kv, kv) for _ in range(cfg.num_decoder_layers)),
                src_valid=jnp.zeros((slots, width), bool),
-               limit=jnp.zeros((slots,), jnp.int32), key=jnp.zeros((slots, 2), jnp.uint32))
+               limit=jnp.zeros((slots,), jnp.int32), key=jnp.zeros((slots, 2), jnp.uint32),
+               source=jnp.full((slots,), -1, jnp.int32), width=jnp.zeros((slots,), jnp.int32))
   # One buffer per entry: the loop updates them in place (donated), so none may be shared.
   return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
 
 
-# Which axis of each state entry is the source width (S) or the output length (L; L + 1 for
-# the token buffers, which hold BOS first).
-_SEQS = ("seq", "alive_seq", "fin_seq")
+_SEQS = ("seq", "alive_seq", "fin_seq")    # token buffers: BOS, then out_len tokens
 
 
 def _resize(state: dict, width: int, out_len: int, pad_id: int) -> dict:
   """The state with source width `width` and output buffers of `out_len` tokens: sliced
-  (only when no slot reads past them) or zero-padded."""
+  (when no busy slot reads past them) or zero-padded."""
   def fit(x, axis: int, n: int, fill=0):
     have = x.shape[axis]
     if have >= n:
@@ -110,80 +117,124 @@ def _resize(state: dict, width: int, out_len: int, pad_id: int) -> dict:
               cross_kv=jax.tree_util.tree_map(lambda x: fit(x, 2, width), state["cross_kv"]))
 
 
-def _insert_impl(params, state, src_RxS, slot_R, limit_R, key_R, *, cfg: TransformerConfig,
-                 strategy: Strategy, bos_id: int, pad_id: int):
-  """Sources `src_RxS` encoded and placed in slots `slot_R` (an index past the last slot:
-  a filler row, dropped), each with a fresh search carry and its length limit."""
-  model = Transformer(cfg)
-  encoded_RxSxD = model.apply(params, src_RxS, method=Transformer.encode)
-  cross = model.apply(params, encoded_RxSxD, method=Transformer.precompute_cross_kv)
-
-  def put(x, new):
-    return x.at[slot_R].set(new.astype(x.dtype), mode="drop")
-
-  r, carry = src_RxS.shape[0], state["carry"]
-  seq_len = carry["seq" if "seq" in carry else "alive_seq"].shape[-1] - 1
-  if isinstance(strategy, Beam):
-    fresh = beam_carry((), r, strategy, seq_len, bos_id=bos_id, pad_id=pad_id)
-  else:
-    fresh = sample_carry((), r, seq_len, bos_id=bos_id, pad_id=pad_id)
-  fresh = dict(fresh, i=jnp.zeros((r,), jnp.int32))
-  carry = {name: x if name == "state" else put(x, fresh[name]) for name, x in carry.items()}
-  return dict(carry=carry, cross_kv=jax.tree_util.tree_map(put, state["cross_kv"], cross),
-              src_valid=put(state["src_valid"], src_RxS != pad_id),
-              limit=put(state["limit"], limit_R), key=put(state["key"], key_R))
+def _results(strategy: Strategy, carry: dict, pad_id: int):
+  return (beam_results(carry, strategy, pad_id=pad_id) if isinstance(strategy, Beam)
+          else sample_results(carry))
 
 
-def _run_impl(params, head_w, head_b, state, stop_free, *, cfg: TransformerConfig,
-              strategy: Strategy, eos_id: int, pad_id: int, min_len: int):
-  """Steps every slot until `stop_free` slots are done (free ones count). Returns (state,
-  the DecodeResult of every slot, steps taken)."""
+def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
+               cfg: TransformerConfig, strategy: Strategy, refill: int, bos_id: int,
+               eos_id: int, pad_id: int, min_len: int):
+  """Fills free slots from `queue` and steps every slot, until the queue is used up and at
+  least `stop_free` slots are done, or (narrow_to > 0) no busy slot holds a source wider
+  than narrow_to.
+
+  queue: dict of src [Q, S], limit [Q], key [Q, 2], source [Q] (ids), width [Q], count
+  (how many entries are real) and taken (how many were taken before). Returns (state,
+  queue with `taken` updated, out: the results of the sentences that finished and whose
+  slots were refilled, with their source ids, and how many).
+  """
   model, ops = Transformer(cfg), kernels.get(cfg.kernels)
-  cross_kv, src_valid, k = state["cross_kv"], state["src_valid"], _beam(strategy)
+  slots, k = state["limit"].shape[0], _beam(strategy)
+  out_len = state["carry"]["state"][0]["k"].shape[2]
   if ops.decode_head is None:
     head = lambda y_NxD: model.apply(params, y_NxD, method=Transformer.output_head)
   else:
     head = ops.decode_head(head_w, head_b, False, cfg.dtype)
 
-  def tokens_to_logits(seq_NxL1, i_B, cache):
-    i_N = i_B if k == 1 else jnp.repeat(i_B, k)
-    tokens_Nx1 = jnp.take_along_axis(seq_NxL1, i_N[:, None], axis=1)
-    y_Nx1xD, cache = model.apply(params, tokens_Nx1, i_N, cache, cross_kv, src_valid, True,
-                                 method=Transformer.decode_step)
-    return head(y_Nx1xD[:, 0]), cache
+  def insert(st, out, q):
+    """Copies out the results of `refill` free slots (those that held a sentence), then
+    encodes the next `refill` queued sources into them (fewer at the queue's end)."""
+    slot_R = jnp.nonzero(st["carry"]["done"], size=refill, fill_value=slots)[0]
+    take_R = q["taken"] + jnp.arange(refill)
+    real_R = take_R < q["count"]
+    # Results of finished sentences, appended to `out` (a free slot that held none: -1).
+    rows = jax.tree_util.tree_map(lambda x: jnp.take(x, slot_R, axis=0, mode="clip"),
+                                  {n: x for n, x in st["carry"].items() if n != "state"})
+    res = _results(strategy, rows, pad_id)
+    held_R = (slot_R < slots) & (jnp.take(st["source"], slot_R, mode="fill",
+                                          fill_value=-1) >= 0)
+    at_R = jnp.where(held_R, out["count"] + jnp.cumsum(held_R) - 1, out["source"].shape[0])
+    out = dict(tokens=out["tokens"].at[at_R].set(res.tokens, mode="drop"),
+               scores=out["scores"].at[at_R].set(res.scores, mode="drop"),
+               lengths=out["lengths"].at[at_R].set(res.lengths, mode="drop"),
+               source=out["source"].at[at_R].set(st["source"][slot_R], mode="drop"),
+               count=out["count"] + jnp.sum(held_R))
+    # The queued sources, into the slots (filler rows and unfilled slots: dropped).
+    into_R = jnp.where(real_R, slot_R, slots)
+    src_RxS = jnp.take(q["src"], take_R, axis=0, mode="clip")
+    encoded = model.apply(params, src_RxS, method=Transformer.encode)
+    cross = model.apply(params, encoded, method=Transformer.precompute_cross_kv)
 
-  limits = state["limit"]
-  if isinstance(strategy, Beam):
-    one = functools.partial(beam_step, tokens_to_logits, beam=strategy, limits_B=limits,
-                            eos_id=eos_id, pad_id=pad_id, min_len=min_len, top_k=ops.top_k)
-    per_iteration, body = 2, lambda c: one(one(c))   # as beam_search: see its comment
-  else:
-    keys = jax.random.wrap_key_data(state["key"])
-    one = functools.partial(sample_step, tokens_to_logits, strategy=strategy,
-                            limits_B=limits, eos_id=eos_id, pad_id=pad_id, min_len=min_len,
-                            rng=keys, top_k=ops.top_k, argmax=ops.argmax)
-    per_iteration, body = 1, one
+    def put(x, new, where=into_R):
+      return x.at[where].set(new.astype(x.dtype), mode="drop")
 
-  def cond(c_n):
-    return jnp.sum(c_n[0]["done"]) < stop_free
+    fresh = _fresh_carry(strategy, (), refill, out_len, bos_id=bos_id, pad_id=pad_id)
+    carry = {n: x if n == "state" else put(x, fresh[n]) for n, x in st["carry"].items()}
+    pick = lambda x: jnp.take(x, take_R, axis=0, mode="clip")
+    st = dict(carry=carry, cross_kv=jax.tree_util.tree_map(put, st["cross_kv"], cross),
+              src_valid=put(st["src_valid"], src_RxS != pad_id),
+              limit=put(st["limit"], pick(q["limit"])), key=put(st["key"], pick(q["key"])),
+              width=put(st["width"], pick(q["width"])),
+              # Harvested slots left unfilled hold nothing any more.
+              source=put(put(st["source"], jnp.full((refill,), -1, jnp.int32), slot_R),
+                         pick(q["source"])))
+    return st, out, dict(q, taken=q["taken"] + jnp.sum(real_R))
 
-  carry, n = lax.while_loop(cond, lambda c_n: (body(c_n[0]), c_n[1] + 1),
-                            (state["carry"], jnp.int32(0)))
-  results = (beam_results(carry, strategy, pad_id=pad_id) if isinstance(strategy, Beam)
-             else sample_results(carry))
-  return dict(state, carry=carry), results, n * per_iteration
+  def must_fill(c):
+    st, _, q = c
+    waiting = q["count"] - q["taken"]
+    return (waiting > 0) & (jnp.sum(st["carry"]["done"]) >= jnp.minimum(refill, waiting))
 
+  def step(st):
+    cross_kv, src_valid = st["cross_kv"], st["src_valid"]
 
-_STATIC = ("cfg", "strategy", "bos_id", "pad_id")
+    def tokens_to_logits(seq_NxL1, i_B, cache):
+      i_N = i_B if k == 1 else jnp.repeat(i_B, k)
+      tokens_Nx1 = jnp.take_along_axis(seq_NxL1, i_N[:, None], axis=1)
+      y_Nx1xD, cache = model.apply(params, tokens_Nx1, i_N, cache, cross_kv, src_valid, True,
+                                   method=Transformer.decode_step)
+      return head(y_Nx1xD[:, 0]), cache
+
+    common = dict(limits_B=st["limit"], eos_id=eos_id, pad_id=pad_id, min_len=min_len,
+                  top_k=ops.top_k)
+    if isinstance(strategy, Beam):
+      one = lambda c: beam_step(tokens_to_logits, c, beam=strategy, **common)
+      return dict(st, carry=one(one(st["carry"])))   # two steps: as beam_search, see there
+    keys = jax.random.wrap_key_data(st["key"])
+    return dict(st, carry=sample_step(tokens_to_logits, st["carry"], strategy=strategy,
+                                      rng=keys, argmax=ops.argmax, **common))
+
+  def finished(c):
+    st, _, q, _ = c
+    done = st["carry"]["done"]
+    drained = (q["taken"] >= q["count"]) & (jnp.sum(done) >= stop_free)
+    busy_width = jnp.max(jnp.where(done, 0, st["width"]))
+    return drained | ((narrow_to > 0) & (busy_width <= narrow_to))
+
+  def body(c):
+    st, out, q, n = c
+    st, out, q = lax.while_loop(must_fill, lambda c: insert(*c), (st, out, q))
+    return step(st), out, q, n + 1
+
+  size, n_best = queue["src"].shape[0] + refill, getattr(strategy, "n_best", 1)
+  out = dict(tokens=jnp.zeros((size, n_best, out_len), jnp.int32),
+             scores=jnp.zeros((size, n_best), jnp.float32),
+             lengths=jnp.zeros((size, n_best), jnp.int32),
+             source=jnp.full((size,), -1, jnp.int32), count=jnp.int32(0))
+  state, out, queue, n = lax.while_loop(lambda c: ~finished(c), body,
+                                        (state, out, queue, jnp.int32(0)))
+  # The sentences that finished but still sit in their slots.
+  steps = n * (2 if isinstance(strategy, Beam) else 1)
+  return state, queue, out, _results(strategy, state["carry"], pad_id), steps
 
 
 @functools.cache
-def _jitted(options: tuple = ()):
-  opts = dict(options) or None
-  insert = jax.jit(_insert_impl, static_argnames=_STATIC, donate_argnames=("state",))
-  run = jax.jit(_run_impl, compiler_options=opts, donate_argnames=("state",),
-                static_argnames=("cfg", "strategy", "eos_id", "pad_id", "min_len"))
-  return insert, run
+def _jitted_loop(options: tuple = ()):
+  return jax.jit(_loop_impl, compiler_options=dict(options) or None,
+                 donate_argnames=("state",),
+                 static_argnames=("cfg", "strategy", "refill", "bos_id", "eos_id", "pad_id",
+                                  "min_len"))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -193,22 +244,24 @@ def _round_up(n: int, multiple: int) -> int:
 def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int]],
                   strategy: Strategy = Greedy(), *, bos_id: int, eos_id: int,
                   pad_id: int = 0, slots: int = 64, refill: int | None = None,
-                  max_len: int | None = None, rng=None, min_len: int = 0,
-                  length_multiple: int = 16, progress: Callable[[int], object] | None = None,
+                  queue: int | None = None, max_len: int | None = None, rng=None,
+                  min_len: int = 0, length_multiple: int = 16,
+                  progress: Callable[[int], object] | None = None,
                   stats: StreamStats | None = None) -> list[tuple]:
   """Decodes every source (a list of ids, EOS-terminated, at most config.max_len long).
   Returns, in the order of `sources`, (tokens, scores, lengths) per source: numpy arrays of
   shape [n, L], [n], [n] as `DecodeResult` has them per row (n = 1, or n_best for beam).
 
   params: the parameters as `decoding.decode_params` makes them (or the raw ones).
-  slots: sentences decoded together (rounded down to what the sources need: a power of two).
-  refill: sources encoded and placed per insert (default slots / 16, at least 1): the loop
-    returns to the host once that many slots are free. Smaller wastes fewer slot-steps on
-    free slots and returns more often.
+  slots: sentences decoded together (fewer if there are fewer sources: a power of two).
+  refill: free slots filled at a time (default slots / 16, at least 1): each fill encodes
+    that many sources together; smaller leaves fewer slots waiting.
+  queue: sources handed to the loop at a time (default 8 × slots): the loop returns to the
+    host when they are used up (and to narrow the slots' source width).
   max_len: every sentence's length limit; None = its source length + 50 (decode's default).
   rng: sampling key or seed (None = 0); sentence j draws from fold_in(rng, j).
   length_multiple: source widths are rounded up to it (one compile per width).
-  progress: called with the number of sentences finished after each return to the host.
+  progress: called with the number of sentences finished at each return to the host.
   stats: a StreamStats to add this call's counts to.
   """
   _check(isinstance(strategy, (Greedy, Sample, Beam)),
@@ -226,9 +279,10 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     return results
   slots = min(slots, 1 << (n - 1).bit_length())
   refill = max(1, slots // 16) if refill is None else max(1, min(int(refill), slots))
+  queue = 8 * slots if queue is None else max(1, int(queue))
   stats = StreamStats() if stats is None else stats
   ops = kernels.get(cfg.kernels)
-  insert, run = _jitted(tuple(sorted(ops.decode_compiler_options(cfg).items())))
+  loop = _jitted_loop(tuple(sorted(ops.decode_compiler_options(cfg).items())))
   params = ops.decode_params(cfg, params if "params" in params else {"params": params})
   w, head_b, w_is_VxD = head_weights(cfg, params["params"])
   head_w = (w.T if w_is_VxD else w).astype(cfg.dtype) if ops.decode_head else None
@@ -236,7 +290,6 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
   if isinstance(strategy, Sample):
     keys = np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(
         as_key(rng), jnp.arange(n, dtype=jnp.uint32))))
-  static = dict(cfg=cfg, strategy=strategy)
 
   def width(j: int) -> int:
     return min(_round_up(lengths[j], length_multiple), cfg.max_len)
@@ -248,47 +301,48 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
   cur_w = width(order[0])
   state = _empty_state(cfg, strategy, slots, cur_w, out_len(cur_w), bos_id=bos_id,
                        pad_id=pad_id)
-  held = np.full(slots, -1)                                # the source in each slot
+  busy = np.zeros(slots, bool)      # slots holding a sentence, as of the last return
   nxt = 0
-  while True:
-    free = list(np.flatnonzero(held < 0))
-    while nxt < n and len(free) >= min(refill, n - nxt):
-      take = order[nxt:nxt + refill]
-      src = np.zeros((refill, cur_w), np.int32)
-      src[:, 0] = eos_id                                   # filler rows: an empty source
-      where = np.full(refill, slots, np.int32)             # filler rows are dropped
-      limit = np.zeros(refill, np.int32)
-      for r, j in enumerate(take):
-        src[r] = 0
-        src[r, :lengths[j]] = sources[j]
-        where[r] = free[r]
-        limit[r] = max_len if max_len is not None else min(lengths[j] + EXTRA_LEN,
-                                                           out_len(cur_w))
-        held[free[r]] = j
-      state = insert(params, state, src, where, limit, keys[np.pad(take, (0, refill - len(take)))],
-                     bos_id=bos_id, pad_id=pad_id, **static)
-      stats.inserts += 1
-      free, nxt = free[len(take):], nxt + len(take)
-    if (held < 0).all():
-      break
-    stop = slots if nxt == n else min(refill, n - nxt)
-    state, res, steps = run(params, head_w, head_b, state, stop, eos_id=eos_id,
-                            pad_id=pad_id, min_len=min_len, **static)
-    done, toks, scores, lens, steps = jax.device_get(
-        (state["carry"]["done"], res.tokens, res.scores, res.lengths, steps))
+  while nxt < n or busy.any():
+    # The next sources of one width, padded to the slots' width.
+    w_q = width(order[nxt]) if nxt < n else cur_w
+    take = [j for j in order[nxt:nxt + queue] if width(j) == w_q]
+    q = dict(src=np.zeros((queue, cur_w), np.int32), limit=np.zeros(queue, np.int32),
+             key=np.zeros((queue, 2), np.uint32), source=np.full(queue, -1, np.int32),
+             width=np.full(queue, w_q, np.int32), count=np.int32(len(take)),
+             taken=np.int32(0))
+    q["src"][:, 0] = eos_id                               # filler rows: an empty source
+    for r, j in enumerate(take):
+      q["src"][r, :lengths[j]] = sources[j]
+      q["src"][r, lengths[j]:] = pad_id
+      q["limit"][r] = max_len if max_len is not None else min(lengths[j] + EXTRA_LEN,
+                                                             out_len(w_q))
+      q["key"][r], q["source"][r] = keys[j], j
+    more = nxt + len(take) < n
+    state, q_left, out, res, steps = loop(
+        params, head_w, head_b, state, q, refill if more else slots,
+        w_q if w_q < cur_w else 0, cfg=cfg, strategy=strategy, refill=refill,
+        bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, min_len=min_len)
+    out, res, taken, source, done, steps = jax.device_get(
+        (out, res, q_left["taken"], state["source"], state["carry"]["done"], steps))
+    nxt += int(taken)
+    # Results: those copied out by the loop, then those still in their slots.
+    ids = [(int(out["source"][r]), (out["tokens"][r], out["scores"][r], out["lengths"][r]))
+           for r in range(int(out["count"]))]
+    ended = np.flatnonzero(done & (source >= 0))
+    ids += [(int(source[s]), (res.tokens[s], res.scores[s], res.lengths[s])) for s in ended]
+    for j, r in ids:
+      results[j] = r
+      stats.tokens += int(r[2][0])
     stats.runs += 1
     stats.steps += int(steps)
     stats.slot_steps += int(steps) * slots
-    finished = np.flatnonzero(done & (held >= 0))
-    for s in finished:
-      results[held[s]] = (toks[s], scores[s], lens[s])
-      stats.tokens += int(lens[s, 0])
-      held[s] = -1
-    if progress is not None and len(finished):
-      progress(len(finished))
-    # Narrower once no slot (nor the next source) needs the width: sources come longest
-    # first, so it never grows.
-    need = max([width(j) for j in held[held >= 0]] + ([width(order[nxt])] if nxt < n else [1]))
+    if progress is not None and ids:
+      progress(len(ids))
+    busy = ~done & (source >= 0)
+    state = dict(state, source=jnp.where(jnp.asarray(busy), state["source"], -1))
+    # Narrower once no busy slot (nor the next source) needs the width.
+    need = max([width(int(j)) for j in source[busy]] + [width(order[nxt]) if nxt < n else 1])
     if need < cur_w:
       cur_w = need
       state = _resize(state, cur_w, out_len(cur_w), pad_id)

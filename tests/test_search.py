@@ -237,6 +237,52 @@ def test_beam_finds_the_best_sequence_that_greedy_misses():
   assert out.tokens[0, 1, 1] == EOS and out.lengths[0, 1] == 2
 
 
+@pytest.mark.parametrize("case", ["exact_outlasts_both", "only_count_stops_early"])
+def test_beam_stop_rules(case):
+  """"exact" runs on while an alive hypothesis could still win; "best" stops when the step's
+  best extension ends with EOS; "count" once `size` hypotheses have ended."""
+  if case == "exact_outlasts_both":
+    # EOS is the best first step (0.5); A A EOS (0.44) wins under the length penalty.
+    table = {(): {EOS: 0.5, A: 0.45, B_: 0.05}, (A,): {A: 0.98, EOS: 0.01, B_: 0.01},
+             (A, A): {EOS: 0.99, A: 0.01}, (B_,): {EOS: 0.99, A: 0.01}}
+    alpha, want = 2.0, {"exact": [A, A, EOS], "best": [EOS], "count": [EOS]}
+  else:
+    # After step 2, EOS and B EOS have ended (count stops), but A A leads: A A EOS (0.45).
+    table = {(): {A: 0.5, EOS: 0.3, B_: 0.2}, (A,): {A: 0.9, EOS: 0.1},
+             (A, A): {EOS: 1.0}, (B_,): {EOS: 0.9, A: 0.1}}
+    alpha, want = 0.0, {"exact": [A, A, EOS], "best": [A, A, EOS], "count": [EOS]}
+  fn = _table_fn(lambda prefix: _logp(table.get(prefix, {EOS: 1.0})))
+  for stop, tokens in want.items():
+    out = _run_beam(fn, Beam(size=2, alpha=alpha, stop=stop), 4, [4])
+    assert out.tokens[0, 0, :out.lengths[0, 0]].tolist() == tokens, stop
+    p = np.prod([table[tuple(tokens[:i])][t] for i, t in enumerate(tokens)])
+    assert out.scores[0, 0] == pytest.approx(
+        math.log(p) / ((5 + len(tokens)) / 6) ** alpha, abs=1e-5)
+
+
+def test_per_row_steps_draw_from_their_own_keys():
+  """`sample_step` with a step per row (the decode slots) and a key per row: each row's draw
+  is fold_in(its key, its step); rows follow the filtered distribution."""
+  strategy = Sample(temperature=2.0, top_k=4, top_p=0.8)
+  logits = jnp.log(jnp.maximum(jnp.asarray(PROBS, jnp.float32), 1e-30))
+  fn = lambda seq, i, s: (jnp.broadcast_to(logits, (seq.shape[0], 6)), s)
+  n = 20000
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(0), jnp.arange(n))
+  i = jnp.arange(n, dtype=jnp.int32) % 3                   # rows at steps 0, 1, 2
+  carry = dict(search.sample_carry((), n, 4, bos_id=BOS, pad_id=PAD), i=i)
+  out = jax.jit(lambda c: search.sample_step(
+      fn, c, strategy=strategy, limits_B=jnp.full((n,), 4), eos_id=EOS, pad_id=PAD,
+      rng=keys))(carry)
+  tok = np.asarray(out["seq"])[np.arange(n), np.asarray(i) + 1]
+  got = np.bincount(tok, minlength=6) / n
+  np.testing.assert_allclose(got, _np_filter(PROBS, 2.0, 4, 0.8), atol=0.015)
+  np.testing.assert_array_equal(out["i"], i + 1)
+  # Row 5's draw is its own key's at its step, whatever the other rows are.
+  x = search.filter_logits(logits[None], strategy)
+  one = jax.random.categorical(jax.random.fold_in(keys[5], i[5]), x[0])
+  assert tok[5] == int(one)
+
+
 def test_length_penalty_decides_between_short_and_long():
   # "EOS" now: p 0.55, length 1. "A EOS": p 0.45 * 0.95 = 0.4275, length 2.
   def logp(prefix):

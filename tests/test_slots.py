@@ -1,0 +1,87 @@
+"""The decode slots (slots.decode_stream) against decoding.decode: the same translations, with
+sentences ending at different steps, handing their slots to the next, and the slots'
+source width narrowing as the sources get shorter."""
+import jax
+import numpy as np
+import pytest
+
+from seq2seq import decoding, slots
+from seq2seq.errors import UserError
+from seq2seq.search import Beam, Greedy, Sample
+from test_decoding import CFG, _random_params
+
+BOS = 1
+LENGTHS = (30, 3, 17, 9, 24, 2, 25, 12, 5, 28, 21, 7)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return _random_params(0)
+
+
+@pytest.fixture(scope="module")
+def sources():
+  rng = np.random.default_rng(5)
+  return [rng.integers(4, 40, n - 1).tolist() + [3] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def eos(params, sources):
+  """The EOS id that ends this random model's greedy sentences at the most different steps
+  (those that never produce it run to their limits, source length + 50)."""
+  res = decoding.decode(CFG, params, _batch(sources), Greedy(), bos_id=BOS, eos_id=2)
+  toks = res.tokens[:, 0]
+
+  def ends(tok):
+    return {int(np.flatnonzero(t == tok)[0]) if (t == tok).any() else -1 for t in toks}
+  return max(range(4, CFG.vocab_size), key=lambda tok: (len(ends(tok)), -tok))
+
+
+def _batch(sources):
+  src = np.zeros((len(sources), max(map(len, sources))), np.int32)
+  for b, s in enumerate(sources):
+    src[b, :len(s)] = s
+  return src
+
+
+@pytest.mark.parametrize("strategy", [Greedy(), Beam(size=3, alpha=0.6, n_best=2)],
+                         ids=["greedy", "beam"])
+def test_stream_decodes_each_source_as_decode_does(params, sources, eos, strategy):
+  want = decoding.decode(CFG, params, _batch(sources), strategy, bos_id=BOS, eos_id=eos)
+  assert len(set(want.lengths[:, 0].tolist())) >= 3     # sentences end at different steps
+  stats = slots.StreamStats()
+  got = slots.decode_stream(CFG, params, sources, strategy, bos_id=BOS, eos_id=eos, slots=4,
+                            refill=2, queue=3, stats=stats)
+  for b, (tokens, scores, lengths) in enumerate(got):
+    np.testing.assert_array_equal(lengths, want.lengths[b])
+    for h, n in enumerate(lengths):
+      np.testing.assert_array_equal(tokens[h, :n], want.tokens[b, h, :n])
+    np.testing.assert_allclose(scores, want.scores[b], rtol=1e-5)
+  # Every slot-step accounted for: 12 sentences through 4 slots, several returns (queues of
+  # 3, one narrowing from width 32 to 16).
+  assert stats.tokens == want.lengths[:, 0].sum()
+  assert stats.runs >= 4 and stats.slot_steps == 4 * stats.steps
+
+
+def test_sampling_does_not_depend_on_the_other_sentences(params, sources, eos):
+  strategy, short = Sample(temperature=3.0), [s for s in sources if len(s) <= 16]
+  run = lambda srcs, **kw: slots.decode_stream(CFG, params, srcs, strategy, bos_id=BOS,
+                                               eos_id=eos, **kw)
+  a = run(short, slots=4, refill=1, rng=7)
+  b = run(short, slots=2, refill=2, queue=5, rng=7)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x[0], y[0])
+    np.testing.assert_allclose(x[1], y[1], rtol=1e-5)
+  other = run(short, slots=4, refill=1, rng=8)
+  assert any((x[0] != y[0]).any() for x, y in zip(a, other))
+
+
+def test_bad_stream_arguments_are_user_errors(params):
+  run = lambda srcs, **kw: slots.decode_stream(CFG, params, srcs, bos_id=BOS, eos_id=2, **kw)
+  assert run([]) == []
+  for srcs, kw, msg in (([[5, 3]], dict(slots=0), "slots must be >= 1"),
+                        ([[5] * 65], {}, "every source must hold 1 to 64 tokens"),
+                        ([[]], {}, "every source must hold"),
+                        ([[5, 3]], dict(max_len=65), "max_len must be in")):
+    with pytest.raises(UserError, match=msg):
+      run(srcs, **kw)
