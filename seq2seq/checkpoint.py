@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import logging
 import os
@@ -23,11 +22,12 @@ import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from seq2seq import checksums as checksum_lib
 from seq2seq import state as state_lib
+from seq2seq.checksums import checksums  # noqa: F401 (importable from here as before)
 from seq2seq.config import Config, ConfigError
 from seq2seq.errors import UserError
 
@@ -106,85 +106,6 @@ def _is_structure_mismatch(e: BaseException) -> bool:
                                         or str(e).startswith("Structure mismatch: "))
 
 
-# --- checksums ----------------------------------------------------------------------------
-# Orbax writes arrays through TensorStore (zarr, zstd-compressed, in OCDBT files) with no
-# checksum of the data: a flipped bit reads back as another number. TensorStore's zarr3
-# driver has a crc32c codec, but Orbax puts it only on the shard index, with no option to
-# put it on the data. So each array's checksum is computed from its bits on its devices
-# (any sharding gives the same), stored in the checkpoint's meta item (written with the
-# checkpoint: no checkpoint without it) and compared after a restore.
-
-def _fmix32(h):
-  """MurmurHash3's finaliser: a bijection of uint32 that spreads every input bit."""
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-_CHUNK = 1 << 14
-
-
-def _layout(sizes: list[int]) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
-  """Each array is padded with zeros to whole chunks: (its padding, the position within its
-  array of each chunk's first element, the index of each array's first chunk)."""
-  chunks = [max(-(-n // _CHUNK), 1) for n in sizes]
-  pads = tuple(k * _CHUNK - n for n, k in zip(sizes, chunks))
-  first = np.concatenate([np.arange(k, dtype=np.int64) * _CHUNK for k in chunks])
-  return pads, (first % 2**32).astype(np.uint32), np.cumsum([0] + chunks[:-1])
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _chunk_sums(leaves, pads, first):
-  """Two 32-bit sums per chunk of every element's bits mixed with its position in its
-  array. One program for the whole tree: a program per array compiles for minutes on CPU."""
-  bits = []
-  for x, pad in zip(leaves, pads):
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-    b = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
-    bits.append(jnp.pad(b, (0, pad)))
-  flat = jnp.concatenate(bits).reshape(-1, _CHUNK)
-  index = first[:, None] + jax.lax.broadcasted_iota(jnp.uint32, flat.shape, 1)
-  a = _fmix32(flat + index * jnp.uint32(0x9E3779B1))
-  b = _fmix32(flat ^ (index * jnp.uint32(0x85EBCA77) + jnp.uint32(0x165667B1)))
-  return jnp.stack([a.sum(1, dtype=jnp.uint32), b.sum(1, dtype=jnp.uint32)], -1)
-
-
-def checksums(tree) -> dict[str, str]:
-  """{path: 16 hex digits} of each array of `tree`: the same whatever its sharding."""
-  with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  if not with_paths:
-    return {}
-  paths, leaves = zip(*with_paths)
-  pads, first, starts = _layout([x.size for x in leaves])
-  sums = _chunk_sums(list(leaves), pads, first)
-  sums = np.asarray(sums.addressable_data(0)).astype(np.uint64)
-  per_array = np.add.reduceat(sums, starts, axis=0) % 2**32
-  return {jax.tree_util.keystr(p, simple=True, separator="/"): f"{a:08x}{b:08x}"
-          for p, (a, b) in zip(paths, per_array.tolist())}
-
-
-# Named in each checkpoint: one written with another definition is not checked against it.
-CHECKSUM_ALGORITHM = "fmix32x2-chunk16384-v1"
-
-
-def _checksum_record(tree) -> dict:
-  return {"algorithm": CHECKSUM_ALGORITHM, "arrays": checksums(tree)}
-
-
-def _checksum_mismatch(tree, record: dict | None) -> str:
-  """The first array of `tree` whose checksum differs from the one `record` holds ("" if
-  none; nothing is checked for a checkpoint saved without checksums, or with others)."""
-  if not isinstance(record, dict) or record.get("algorithm") != CHECKSUM_ALGORITHM:
-    return ""
-  stored = record.get("arrays") or {}
-  for path, value in checksums(tree).items():
-    if path in stored and stored[path] != value:
-      return path
-  return ""
-
-
 def config_path(workdir) -> Path:
   return Path(workdir) / CONFIG_FILE
 
@@ -236,7 +157,7 @@ class Checkpoints:
     """Starts writing `step` (async); a failure of it, or of the save before it, raises
     CheckpointWriteError here or in `wait`."""
     _quiet_background_failures()
-    meta = dict(meta, checksums=_checksum_record(state))
+    meta = dict(meta, checksums=checksum_lib.record(state))
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -282,7 +203,7 @@ class Checkpoints:
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=to_read, meta=ocp.args.JsonRestore()))
         state, meta = restored["state"], restored["meta"]
-        bad = _checksum_mismatch(state, meta.get("checksums"))
+        bad = checksum_lib.mismatch(state, meta.get("checksums"))
         if bad:
           raise _Corrupt(f"the checksum of {bad} does not match (the file changed after it "
                          f"was written)")
