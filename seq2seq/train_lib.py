@@ -425,7 +425,7 @@ def _remove_new_run_files(workdir: Path, before: set[str]) -> None:
 def _lock(workdir: Path):
   """Process 0 takes the workdir's lock for the run's hosts; all of them learn the outcome
   (so that a refused multi-host run ends on every host at once)."""
-  from seq2seq.workdir import WorkdirLock, WorkdirLocked
+  from seq2seq.lock import WorkdirLock, WorkdirLocked
   lock, error = None, None
   if _is_main():
     lock = WorkdirLock(workdir)
