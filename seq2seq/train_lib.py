@@ -10,10 +10,8 @@ import os
 import queue
 import signal
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 import jax
@@ -32,6 +30,9 @@ from seq2seq.kernels import malloc
 from seq2seq.losses import accuracy, cross_entropy, shift_right
 from seq2seq.model import Transformer, head_weights
 from seq2seq.state import TrainState, as_float32, init_state, optimizer, schedule
+from seq2seq.lock import WorkdirLock, WorkdirLocked
+from seq2seq.workdir import Workdir
+from seq2seq.workdir import prepare_workdir  # noqa: F401 (importable from here as before)
 
 
 class NonFiniteLoss(UserError):
@@ -280,11 +281,12 @@ def _print(*a, **kw):
     print(*a, **kw, file=sys.stderr, flush=True)
 
 
-def resolve_config(workdir, name: str | None = None, overrides: list[str] = ()) -> Config:
+def resolve_config(workdir: Workdir | str | os.PathLike, name: str | None = None,
+                   overrides: list[str] = ()) -> Config:
   """The run's Config: the workdir's own when resuming (unless `name` is given), else the
   experiment `name` (default "numbers"); then the `KEY=VALUE` overrides."""
-  ckpt_lib.workdir_path(workdir, must_exist=False)   # not "", a URL or a file
-  base = ckpt_lib.read_config(workdir) if Path(workdir).is_dir() and name is None else None
+  wd = Workdir.checked(workdir, must_exist=False)   # not "", a URL or a file
+  base = wd.read_config() if wd.path.is_dir() and name is None else None
   if base is None:
     name = name or "numbers"
     if name not in config_lib.EXPERIMENTS:
@@ -295,64 +297,13 @@ def resolve_config(workdir, name: str | None = None, overrides: list[str] = ()) 
   return cfg.replace(data=cfg.data.with_absolute_paths())
 
 
-def prepare_workdir(cfg: Config, workdir) -> Config:
-  """Creates/validates the workdir. A workdir that already holds a run must be resumed with
-  the same model and data config (the run's train section may change, e.g. more steps)."""
-  workdir = ckpt_lib.workdir_path(workdir, must_exist=False)
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise UserError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
-  # The workdir, and what a run there writes into: each probed by writing, not by its mode
-  # bits (root, read-only mounts, immutable files).
-  for path, is_dir in ((workdir, True), (workdir / ckpt_lib.CKPT_DIR, True),
-                       (workdir / "metrics.jsonl", False)):
-    try:
-      if is_dir and path.exists():   # a probe of its own: processes probe it at once
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe"):
-          pass
-      elif path.exists():
-        open(path, "a").close()
-    except OSError as e:
-      raise UserError(f"{'workdir ' if path == workdir else ''}{path} is not writable: "
-                      f"{e.strerror or e}") from None
-  old = ckpt_lib.read_config(workdir)
-  if old is None:
-    return cfg
-  if _optimizer_structure(old) != _optimizer_structure(cfg):
-    changed = [f"train.{k}: {getattr(old.train, k)} -> {getattr(cfg.train, k)}"
-               for k in ("clip_grad_norm", "weight_decay")
-               if (getattr(old.train, k) > 0) != (getattr(cfg.train, k) > 0)]
-    raise UserError(f"workdir {workdir} holds a run whose optimizer state has another form "
-                    f"({'; '.join(changed) or 'train section'}): turning clipping or weight "
-                    f"decay on or off needs a new --workdir")
-  for section in ("model", "data"):
-    a, b = getattr(old, section), getattr(cfg, section)
-    if section == "model":  # the vocabulary size is derived from the data; the kernels
-      b = b.replace(vocab_size=a.vocab_size, kernels=a.kernels)  # compute the same model
-    else:                   # a run stored before paths were made absolute
-      a = a.with_absolute_paths()
-    if a != b:
-      diff = [f"{f.name}: {getattr(a, f.name)!r} -> {getattr(b, f.name)!r}"
-              for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
-      raise UserError(f"workdir {workdir} holds a run with a different {section} config "
-                      f"({'; '.join(diff[:3])}); resume without changing it or use a new "
-                      f"--workdir")
-  return old.replace(model=old.model.replace(kernels=cfg.model.kernels),
-                     data=old.data.with_absolute_paths(), train=cfg.train)
-
-
-def _optimizer_structure(cfg: Config):
-  """The tree structure of the optimizer's state (what a checkpoint must match)."""
-  return jax.tree_util.tree_structure(optimizer(cfg).init({"w": np.zeros(1, np.float32)}))
-
-
 def summary(r: "TrainResult") -> str:
   """What the run did, its final metrics, and how to translate with it: a sentence of its
   own data (the workdir's train_sources.json) and, where it can be said, what it reads."""
   import shlex
   from seq2seq.data import sources
-  record, cfg = sources.read(r.workdir), ckpt_lib.read_config(r.workdir)
+  wd = Workdir(r.workdir)
+  record, cfg = sources.read(wd), wd.read_config()
   if r.train_metrics:
     lines = [f"trained to step {r.step} in {r.seconds:.0f} s; workdir {r.workdir}"]
   else:   # train() logs whenever it has taken a step
@@ -396,64 +347,36 @@ def check_runnable(cfg: Config) -> None:
                     f"({devices})")
 
 
-# What a run writes into its workdir before it trains: removed again if it is refused.
-_RUN_FILES = (ckpt_lib.CONFIG_FILE, ckpt_lib.VOCAB_FILE, "vocab.json", "train_sources.json",
-              "data_cache", ckpt_lib.CKPT_DIR, "metrics.jsonl", "tensorboard")
-
-
-def _run_files(workdir: Path) -> set[str]:
-  names = {n for n in _RUN_FILES if (workdir / n).exists()}
-  if (workdir / "data_cache").is_dir():
-    names |= {f"data_cache/{f.name}" for f in (workdir / "data_cache").iterdir()}
-  return names
-
-
-def _remove_new_run_files(workdir: Path, before: set[str]) -> None:
-  """Removes what this attempt wrote (the workdir is locked: no one else wrote it). Only the
-  run's own files: anything else, e.g. checkpoints moved aside, stays."""
-  import shutil
-  for name in sorted(_run_files(workdir) - before, key=lambda n: -n.count("/")):
-    path = workdir / name
-    if name == ckpt_lib.CKPT_DIR and any(path.iterdir()):
-      continue
-    if path.is_dir():
-      shutil.rmtree(path, ignore_errors=True)
-    else:
-      path.unlink(missing_ok=True)
-
-
-def _lock(workdir: Path):
+def _lock(wd: Workdir) -> WorkdirLock | None:
   """Process 0 takes the workdir's lock for the run's hosts; all of them learn the outcome
   (so that a refused multi-host run ends on every host at once)."""
-  from seq2seq.lock import WorkdirLock, WorkdirLocked
   lock, error = None, None
   if _is_main():
-    lock = WorkdirLock(workdir)
     try:
-      lock.acquire()
+      lock = wd.lock()
     except UserError as e:
-      lock, error = None, e
+      error = e
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
     if not ok and error is None:
-      error = WorkdirLocked(f"workdir {workdir} is in use by another run (see process 0)")
+      error = WorkdirLocked(f"workdir {wd} is in use by another run (see process 0)")
   if error is not None:
     raise error
   return lock
 
 
-def _start(cfg: Config, workdir: Path):
+def _start(cfg: Config, wd: Workdir):
   """Everything before the first step: the config checked against the workdir's, the data,
   the trainer, the state (restored or new). Returns (cfg, ds, trainer, ckpts, state, start,
   resuming)."""
   from seq2seq.data import load_dataset
-  resuming = ckpt_lib.config_path(workdir).exists()
-  cfg = prepare_workdir(cfg, workdir)
-  ds = load_dataset(cfg, workdir)
+  resuming = wd.config.exists()
+  cfg = wd.prepare(cfg)
+  ds = load_dataset(cfg, wd)
   cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
   trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
-  ckpts = ckpt_lib.Checkpoints(workdir, keep=cfg.train.keep_checkpoints)
+  ckpts = ckpt_lib.Checkpoints(wd, keep=cfg.train.keep_checkpoints)
   try:
     restored = ckpts.restore(trainer.abstract_state)
   except BaseException:
@@ -467,60 +390,52 @@ def _start(cfg: Config, workdir: Path):
     start = int(meta["step"])
     _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
   if _is_main() and resuming:       # a resumed run's new train settings, once they work
-    ckpt_lib.write_config(workdir, cfg)
+    wd.write_config(cfg)
   return cfg, ds, trainer, ckpts, state, start, resuming
 
 
-def train(cfg: Config, workdir: str, *, progress: bool = True, on_log: Callable[[int, dict], None] | None = None
-          ) -> TrainResult:
+def train(cfg: Config, workdir: Workdir | str | os.PathLike, *, progress: bool = True,
+          on_log: Callable[[int, dict], None] | None = None) -> TrainResult:
   """Trains (or resumes) `cfg` in `workdir`. Returns the final metrics.
 
-  The workdir is locked for the run (`seq2seq.workdir`); everything that can refuse the run
+  The workdir is locked for the run (`seq2seq.lock`); everything that can refuse the run
   is checked before anything is written, and a run refused (or interrupted) before its
   first step removes what it wrote, so the workdir is as it was."""
   t_start = time.time()
-  workdir = ckpt_lib.workdir_path(workdir, must_exist=False)
+  wd = Workdir.checked(workdir, must_exist=False)
   check_runnable(cfg)
-  made = [d for d in (workdir, *workdir.parents) if not d.exists()]
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise UserError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+  made = wd.create()
   lock = None
   try:
-    lock = _lock(workdir)
-    before = _run_files(workdir)
+    lock = _lock(wd)
+    before = wd.run_files()
     try:
-      cfg, ds, trainer, ckpts, state, start, resuming = _start(cfg, workdir)
+      cfg, ds, trainer, ckpts, state, start, resuming = _start(cfg, wd)
     except BaseException:
       if _is_main():
-        _remove_new_run_files(workdir, before)
+        wd.remove_new_run_files(before)
       raise
   except BaseException:
     if lock is not None:
       lock.release()
-    for d in made:   # deepest first; stops at the first that holds something
-      try:
-        d.rmdir()
-      except OSError:
-        break
+    wd.remove_made(made)
     raise
   try:
-    return _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progress,
+    return _loop(cfg, wd, ds, trainer, ckpts, state, start, resuming, lock, progress,
                  on_log, t_start)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progress, on_log,
-          t_start) -> TrainResult:
+def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: int,
+          resuming: bool, lock, progress: bool, on_log, t_start: float) -> TrainResult:
   tc = cfg.train
   # A new run's config.json is written with its first checkpoint: until then the workdir
   # holds no run (a first attempt that fails, say out of memory, binds no later one to its
   # model config).
   config_written = resuming
-  writer = metrics_lib.MetricsWriter(workdir, enabled=_is_main())
+  writer = metrics_lib.MetricsWriter(wd, enabled=_is_main())
 
   # SIGTERM (preemption) and a first Ctrl-C stop the run after the current step with a
   # checkpoint; a second Ctrl-C interrupts at once.
@@ -558,7 +473,7 @@ def _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progre
     if lock is not None:
       lock.check()   # never two writers: a run that lost the workdir stops unsaved
     if not config_written and _is_main():
-      ckpt_lib.write_config(workdir, cfg)
+      wd.write_config(cfg)
     config_written = True
     ckpts.save(step, state, {"step": step, "data_position": step, "seed": tc.seed})
 
@@ -640,7 +555,7 @@ def _loop(cfg, workdir, ds, trainer, ckpts, state, start, resuming, lock, progre
         signal.signal(signum, handler)
   if stop["signal"] == signal.SIGINT:
     raise KeyboardInterrupt  # after the checkpoint: the caller reports the interruption
-  return TrainResult(step=step, workdir=str(workdir), train_metrics=train_metrics,
+  return TrainResult(step=step, workdir=str(wd), train_metrics=train_metrics,
                      eval_metrics=eval_metrics, test_metrics=test_metrics,
                      seconds=time.time() - t_start, stopped_early=stopped_early)
 
