@@ -127,12 +127,12 @@ def child_train(overrides: list[str], workdir: str, eval_examples: int) -> dict:
   from seq2seq import train_lib
   from seq2seq.metrics import read_metrics
   if eval_examples > 0:  # cap the final evaluation too (quick checks only)
-    run_eval = train_lib._run_eval
+    run_eval = train_lib.run_eval
 
     def capped(trainer, cfg, *a, final=False, **kw):
       cfg = cfg.replace(train=cfg.train.replace(num_eval_examples=eval_examples))
       return run_eval(trainer, cfg, *a, final=False, **kw)
-    train_lib._run_eval = capped
+    train_lib.run_eval = capped
   cfg = _config(overrides)
   steps, losses, accs, times = [], [], [], []
 

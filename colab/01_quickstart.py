@@ -327,13 +327,14 @@ for n, g, b in zip(numbers, greedy, beam):
 # `train` saved Orbax checkpoints (the whole `TrainState`: step, parameters and Adam's
 # moments) every `checkpoint_every` steps, keeping the last few. Below we restore the
 # newest one, save it into a second workdir with the same `Checkpoints` wrapper (with the
-# config and the vocabulary, that is all a workdir needs), and restore from there: the
-# parameters and translations are identical. (`python -m seq2seq.checkpoint average`
+# config and the vocabulary, that is all a workdir needs; `Workdir` knows where each file
+# lives), and restore from there: the parameters and translations are identical. (`python -m seq2seq.checkpoint average`
 # writes such a workdir too, holding the mean of the last checkpoints, as the paper did.)
 
 # %%
 import shutil
 from seq2seq import checkpoint as ckpt_lib
+from seq2seq.workdir import Workdir
 
 ckpts = ckpt_lib.Checkpoints(WORKDIR, read_only=True)
 print("checkpoints in", ckpts.directory, "at steps", ckpts.steps())
@@ -345,8 +346,8 @@ shutil.rmtree(copy_dir, ignore_errors=True)
 copy = ckpt_lib.Checkpoints(copy_dir, keep=1)
 copy.save(int(state.step), state, meta)
 copy.close()                                     # waits for the asynchronous save
-ckpt_lib.write_config(copy_dir, cfg)
-shutil.copy(ckpt_lib.vocab_path(WORKDIR), ckpt_lib.vocab_path(copy_dir))
+Workdir(copy_dir).write_config(cfg)
+shutil.copy(Workdir(WORKDIR).vocab, Workdir(copy_dir).vocab)
 print(sorted(p.name for p in copy_dir.iterdir()))
 
 cfg2, params2, tokenizer2 = load_workdir(copy_dir)

@@ -11,7 +11,7 @@ _WHERE = {
     "shift_right": "losses", "cross_entropy": "losses", "accuracy": "losses",
     "warmup_rsqrt_schedule": "optim", "make_optimizer": "optim",
     "Greedy": "search", "Sample": "search", "Beam": "search", "decode": "decoding",
-    "load_workdir": "checkpoint",
+    "load_workdir": "load",
 }
 __all__ = list(_WHERE)
 __version__ = "0.1.0"

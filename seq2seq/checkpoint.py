@@ -1,21 +1,15 @@
-"""The workdir and its Orbax checkpoints.
+"""A workdir's Orbax checkpoints: save, restore, list, verify checksums, average.
 
-    <workdir>/config.json        the whole Config of the run
-    <workdir>/vocab.model        the SentencePiece vocabulary
     <workdir>/checkpoints/<step>/state   TrainState (params, optimizer state, step)
     <workdir>/checkpoints/<step>/meta    JSON: step, data position, the checksum of each array
-    <workdir>/train.lock         held by the run training in it (seq2seq.workdir)
-    <workdir>/metrics.jsonl, <workdir>/tensorboard/
 
-The workdir alone restores everything: `load_workdir(workdir)` gives config, parameters
-and tokenizer, with no flags.
+A checkpoint that reads back wrong (checksums.py) is skipped for the one before it and,
+by a run that writes, moved to <workdir>/checkpoints_unreadable/. `load_workdir` (load.py)
+restores a trained model from a workdir.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
-import functools
-import json
 import logging
 import os
 import re
@@ -23,20 +17,20 @@ import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from seq2seq import checksums as checksum_lib
 from seq2seq import state as state_lib
-from seq2seq.config import Config, ConfigError
+from seq2seq.config import Config
 from seq2seq.errors import UserError
+from seq2seq.workdir import Workdir, refuse_url
+
+# Importable from here as before they moved (and `load_workdir`, see __getattr__ below).
+from seq2seq.checksums import checksums  # noqa: E402,F401
+from seq2seq.workdir import UNREADABLE_DIR, read_config, write_config  # noqa: E402,F401
 
 log = logging.getLogger("seq2seq")
-
-CONFIG_FILE = "config.json"
-VOCAB_FILE = "vocab.model"
-CKPT_DIR = "checkpoints"
-UNREADABLE_DIR = "checkpoints_unreadable"
 
 
 def _first_line(e: Exception) -> str:
@@ -106,118 +100,16 @@ def _is_structure_mismatch(e: BaseException) -> bool:
                                         or str(e).startswith("Structure mismatch: "))
 
 
-# --- checksums ----------------------------------------------------------------------------
-# Orbax writes arrays through TensorStore (zarr, zstd-compressed, in OCDBT files) with no
-# checksum of the data: a flipped bit reads back as another number. TensorStore's zarr3
-# driver has a crc32c codec, but Orbax puts it only on the shard index, with no option to
-# put it on the data. So each array's checksum is computed from its bits on its devices
-# (any sharding gives the same), stored in the checkpoint's meta item (written with the
-# checkpoint: no checkpoint without it) and compared after a restore.
-
-def _fmix32(h):
-  """MurmurHash3's finaliser: a bijection of uint32 that spreads every input bit."""
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-_CHUNK = 1 << 14
-
-
-def _layout(sizes: list[int]) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
-  """Each array is padded with zeros to whole chunks: (its padding, the position within its
-  array of each chunk's first element, the index of each array's first chunk)."""
-  chunks = [max(-(-n // _CHUNK), 1) for n in sizes]
-  pads = tuple(k * _CHUNK - n for n, k in zip(sizes, chunks))
-  first = np.concatenate([np.arange(k, dtype=np.int64) * _CHUNK for k in chunks])
-  return pads, (first % 2**32).astype(np.uint32), np.cumsum([0] + chunks[:-1])
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _chunk_sums(leaves, pads, first):
-  """Two 32-bit sums per chunk of every element's bits mixed with its position in its
-  array. One program for the whole tree: a program per array compiles for minutes on CPU."""
-  bits = []
-  for x, pad in zip(leaves, pads):
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-    b = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
-    bits.append(jnp.pad(b, (0, pad)))
-  flat = jnp.concatenate(bits).reshape(-1, _CHUNK)
-  index = first[:, None] + jax.lax.broadcasted_iota(jnp.uint32, flat.shape, 1)
-  a = _fmix32(flat + index * jnp.uint32(0x9E3779B1))
-  b = _fmix32(flat ^ (index * jnp.uint32(0x85EBCA77) + jnp.uint32(0x165667B1)))
-  return jnp.stack([a.sum(1, dtype=jnp.uint32), b.sum(1, dtype=jnp.uint32)], -1)
-
-
-def checksums(tree) -> dict[str, str]:
-  """{path: 16 hex digits} of each array of `tree`: the same whatever its sharding."""
-  with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  if not with_paths:
-    return {}
-  paths, leaves = zip(*with_paths)
-  pads, first, starts = _layout([x.size for x in leaves])
-  sums = _chunk_sums(list(leaves), pads, first)
-  sums = np.asarray(sums.addressable_data(0)).astype(np.uint64)
-  per_array = np.add.reduceat(sums, starts, axis=0) % 2**32
-  return {jax.tree_util.keystr(p, simple=True, separator="/"): f"{a:08x}{b:08x}"
-          for p, (a, b) in zip(paths, per_array.tolist())}
-
-
-# Named in each checkpoint: one written with another definition is not checked against it.
-CHECKSUM_ALGORITHM = "fmix32x2-chunk16384-v1"
-
-
-def _checksum_record(tree) -> dict:
-  return {"algorithm": CHECKSUM_ALGORITHM, "arrays": checksums(tree)}
-
-
-def _checksum_mismatch(tree, record: dict | None) -> str:
-  """The first array of `tree` whose checksum differs from the one `record` holds ("" if
-  none; nothing is checked for a checkpoint saved without checksums, or with others)."""
-  if not isinstance(record, dict) or record.get("algorithm") != CHECKSUM_ALGORITHM:
-    return ""
-  stored = record.get("arrays") or {}
-  for path, value in checksums(tree).items():
-    if path in stored and stored[path] != value:
-      return path
-  return ""
-
-
-def config_path(workdir) -> Path:
-  return Path(workdir) / CONFIG_FILE
-
-
-def vocab_path(workdir) -> Path:
-  return Path(workdir) / VOCAB_FILE
-
-
-def read_config(workdir) -> Config | None:
-  path = config_path(workdir)
-  if not path.exists():
-    return None
-  try:
-    return Config.from_dict(json.loads(path.read_text()))
-  except (json.JSONDecodeError, ConfigError) as e:
-    raise UserError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
-
-
-def write_config(workdir, cfg: Config) -> None:
-  """Atomic write (temp file + rename): a crash never leaves half a config."""
-  path = config_path(workdir)
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(cfg.to_json())
-  os.replace(tmp, path)
-
-
 class Checkpoints:
   """Orbax `CheckpointManager` over `<workdir>/checkpoints`: async saves, keep the last K,
   restore the newest checkpoint that reads back and matches its checksums, skipping broken
   ones with a warning."""
 
-  def __init__(self, workdir, keep: int = 3, async_save: bool = True, read_only: bool = False):
-    self.directory = (Path(workdir) / CKPT_DIR).absolute()
+  def __init__(self, workdir: Workdir | str | os.PathLike, keep: int = 3,
+               async_save: bool = True, read_only: bool = False):
+    wd = Workdir.of(workdir)
+    self.directory = wd.checkpoints.absolute()
+    self.unreadable_directory = wd.unreadable_checkpoints.absolute()
     self.read_only = read_only
     self._saving: int | None = None   # the step of the last save started
     self._failed = False              # a save failed: its threads are not waited for
@@ -236,7 +128,7 @@ class Checkpoints:
     """Starts writing `step` (async); a failure of it, or of the save before it, raises
     CheckpointWriteError here or in `wait`."""
     _quiet_background_failures()
-    meta = dict(meta, checksums=_checksum_record(state))
+    meta = dict(meta, checksums=checksum_lib.record(state))
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -282,7 +174,7 @@ class Checkpoints:
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=to_read, meta=ocp.args.JsonRestore()))
         state, meta = restored["state"], restored["meta"]
-        bad = _checksum_mismatch(state, meta.get("checksums"))
+        bad = checksum_lib.mismatch(state, meta.get("checksums"))
         if bad:
           raise _Corrupt(f"the checksum of {bad} does not match (the file changed after it "
                          f"was written)")
@@ -306,10 +198,10 @@ class Checkpoints:
     can save that step again; nothing is deleted. Read-only readers leave it in place."""
     if self.read_only or jax.process_index() != 0:
       return None
-    dest = self.directory.parent / UNREADABLE_DIR / path.name
+    dest = self.unreadable_directory / path.name
     n = 1
     while dest.exists():
-      dest, n = self.directory.parent / UNREADABLE_DIR / f"{path.name}.{n}", n + 1
+      dest, n = self.unreadable_directory / f"{path.name}.{n}", n + 1
     dest.parent.mkdir(exist_ok=True)
     os.replace(path, dest)
     self.manager.reload()
@@ -351,114 +243,13 @@ def local_abstract_state(cfg: Config):
       state_lib.abstract_state(cfg))
 
 
-def _check_param_shapes(workdir, ckpts: Checkpoints, step: int | None, params) -> None:
-  """UserError if the stored parameters of `step` (default: the newest) differ in names or
-  shapes from `params` (those config.json describes), e.g. after config.json was edited.
-  Checked from the checkpoint's metadata before restoring, so the user sees one line rather
-  than Orbax's per-array errors and a fallback through every older checkpoint."""
-  s = step if step is not None else ckpts.steps()[-1]
-  try:
-    with ocp.StandardCheckpointer() as reader:
-      stored = reader.metadata(ckpts.directory / str(s) / "state").item_metadata["params"]
-  except Exception:  # unreadable metadata: restore() reports (or skips) this checkpoint
-    return
-
-  def shapes(tree):
-    return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(x.shape)
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-  want, have = shapes(params), shapes(stored)
-  if want == have:
-    return
-  diff = [f"{k}: stored {have[k]}, config {want[k]}" for k in want
-          if k in have and have[k] != want[k]]
-  diff += [f"{k} not in the checkpoint" for k in want if k not in have]
-  diff += [f"{k} not in the config" for k in have if k not in want]
-  raise UserError(f"{workdir}: checkpoint {s} does not match its {CONFIG_FILE} "
-                  f"({'; '.join(diff[:2])}{'; ...' if len(diff) > 2 else ''}); was "
-                  f"{CONFIG_FILE} edited?")
-
-
-def _refuse_url(workdir) -> None:
-  """Workdirs are written through the file system: a URL would become a local directory
-  named like it (and leave a run's checkpoints on this machine)."""
-  if "://" in str(workdir):
-    raise UserError(f"workdir {workdir} is a URL: give a file system path (a bucket mounted "
-                    f"with e.g. gcsfuse works)")
-
-
-def workdir_path(workdir, must_exist: bool = True) -> Path:
-  """The workdir as a Path, or a one-line UserError for "", a URL, a file, or (if it must
-  exist) a missing one."""
-  if not str(workdir).strip():   # Path("") is the current directory
-    raise UserError("workdir is empty: give a directory (--workdir DIR)")
-  _refuse_url(workdir)
-  path = Path(workdir)
-  if path.exists() and not path.is_dir():
-    raise UserError(f"workdir {workdir} is a file, not a directory")
-  if must_exist and not path.exists():
-    raise UserError(f"workdir {workdir} does not exist")
-  return path
-
-
-class _BelowError(logging.Filter):
-  """Orbax's records below ERROR (it logs through absl)."""
-
-  def filter(self, record):
-    return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-  """A read-only restore makes Orbax log four warnings of routine facts (read-only options,
-  no metadata file of old checkpoints); silence those, only while the block runs."""
-  logger, quiet = logging.getLogger("absl"), _BelowError()
-  logger.addFilter(quiet)
-  try:
-    yield
-  finally:
-    logger.removeFilter(quiet)
-
-
-def load_workdir(workdir, step: int | None = None):
-  """(config, params, tokenizer) from a workdir written by train.py, on the default device.
-  The tokenizer normalises sources as the run's data config says (data.lowercase_source)."""
-  with _quiet_orbax():
-    return _load_workdir(workdir, step)
-
-
-def _load_workdir(workdir, step: int | None):
-  from seq2seq.data import Tokenizer
-  workdir = workdir_path(workdir)
-  cfg = read_config(workdir)
-  if cfg is None:
-    raise UserError(f"{workdir} holds no {CONFIG_FILE}: is it a train.py workdir?")
-  if not vocab_path(workdir).exists():
-    raise UserError(f"{workdir} holds no {VOCAB_FILE}")
-  ckpts = Checkpoints(workdir, read_only=True)
-  if not ckpts.steps():
-    raise UserError(f"{workdir} holds no checkpoint")
-  target = local_abstract_state(cfg).params
-  _check_param_shapes(workdir, ckpts, step, target)
-  try:
-    restored = ckpts.restore(target, step, params_only=True)
-  except (ValueError, TypeError) as e:
-    if isinstance(e, UserError):
-      raise
-    raise UserError(f"{workdir}: checkpoint does not match its config.json "
-                    f"({str(e).splitlines()[0][:160]})") from None
-  if restored is None:
-    raise UserError(f"{workdir}: no readable checkpoint (all were skipped)")
-  params, _ = restored
-  return cfg, params, Tokenizer.load(str(vocab_path(workdir)),
-                                     lowercase_source=cfg.data.lowercase_source)
-
-
-def average_checkpoints(workdir, last: int = 5):
+def average_checkpoints(workdir: Workdir | str | os.PathLike, last: int = 5):
   """Mean of the parameters of the last `last` checkpoints (the paper averaged 5)."""
-  cfg = read_config(workdir)
+  wd = Workdir.of(workdir)
+  cfg = wd.read_config()
   if cfg is None:
-    raise UserError(f"{workdir} holds no {CONFIG_FILE}")
-  ckpts = Checkpoints(workdir, read_only=True)
+    raise UserError(f"{workdir} holds no {wd.config.name}")
+  ckpts = Checkpoints(wd, read_only=True)
   steps = ckpts.steps()[-last:]
   if not steps:
     raise UserError(f"{workdir} holds no checkpoint")
@@ -471,27 +262,28 @@ def average_checkpoints(workdir, last: int = 5):
   return steps, jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)
 
 
-def write_averaged_workdir(workdir, output, last: int = 5) -> list[int]:
+def write_averaged_workdir(workdir: Workdir | str | os.PathLike,
+                           output: Workdir | str | os.PathLike, last: int = 5) -> list[int]:
   """A new workdir whose one checkpoint holds the mean parameters of the last `last`
   checkpoints of `workdir` (config and vocabulary copied), ready for decode.py.
   Refuses to write into an existing checkpoint directory; `workdir` is only read."""
   import shutil
-  output = Path(output)
-  if (output / CKPT_DIR).exists():
-    raise UserError(f"{output} already holds checkpoints; choose a new --output")
+  source, out = Workdir.of(workdir), Workdir.of(output)
+  if out.checkpoints.exists():
+    raise UserError(f"{out} already holds checkpoints; choose a new --output")
   steps, params = average_checkpoints(workdir, last)
-  cfg = read_config(workdir)
+  cfg = source.read_config()
   try:
-    output.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(vocab_path(workdir), vocab_path(output))
-    write_config(output, cfg)
+    out.path.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source.vocab, out.vocab)
+    out.write_config(cfg)
   except OSError as e:
-    raise UserError(f"cannot write {output}: {e.strerror or e}") from None
+    raise UserError(f"cannot write {out}: {e.strerror or e}") from None
   full = state_lib.init_state(cfg, jax.random.key(0))  # optimizer state: fresh (unused by decoding)
   full = full.replace(step=np.asarray(steps[-1], np.int32), params=params)
-  ckpts = Checkpoints(output, keep=1, async_save=False)
+  ckpts = Checkpoints(out, keep=1, async_save=False)
   ckpts.save(steps[-1], full, {"step": steps[-1], "averaged_steps": steps,
-                               "source_workdir": str(Path(workdir).absolute())})
+                               "source_workdir": str(source.path.absolute())})
   ckpts.close()
   return steps
 
@@ -514,14 +306,23 @@ def main(argv=None) -> int:
   try:
     if args.last < 1:
       raise UserError(f"--last must be >= 1, got {args.last}")
-    workdir_path(args.workdir)
-    _refuse_url(args.output)
+    Workdir.checked(args.workdir)
+    refuse_url(args.output)
     steps = write_averaged_workdir(args.workdir, args.output, args.last)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"averaged steps {', '.join(map(str, steps))} into {args.output}")
   return 0
+
+
+def __getattr__(name):
+  """`seq2seq.checkpoint.load_workdir`, as before it moved to load.py (which reads through
+  this module, so it is imported on first use, not above)."""
+  if name == "load_workdir":
+    from seq2seq.load import load_workdir
+    return load_workdir
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -205,21 +205,22 @@ def export_ctranslate2(workdir, output, quantization: str = "float32",
                        step: int | None = None) -> dict:
   """Writes the CTranslate2 model of `workdir` (its newest checkpoint, or `step`) to the new
   directory `output`, its weights in `quantization`. Returns what was written."""
-  from seq2seq.checkpoint import _refuse_url, load_workdir, vocab_path, workdir_path
+  from seq2seq.load import load_workdir
+  from seq2seq.workdir import Workdir, refuse_url
   ct2 = _import_ctranslate2()
   if quantization not in CT2_QUANTIZATIONS:
     raise UserError(f"unknown quantization {quantization!r}; choose one of "
                     f"{', '.join(CT2_QUANTIZATIONS)}")
-  _refuse_url(output)
+  refuse_url(output)
   output = Path(output)
   if output.exists() or output.is_symlink():
     raise UserError(f"{output} already exists: give a new directory")
   if not output.absolute().parent.is_dir():
     raise UserError(f"cannot write {output}: {output.absolute().parent} is not a directory")
-  workdir_path(workdir)
-  cfg, params, tokenizer = load_workdir(workdir, step)
+  wd = Workdir.checked(workdir)
+  cfg, params, tokenizer = load_workdir(wd, step)
   spec = ctranslate2_spec(cfg.model, params, tokenizer)
-  spec.register_file(str(vocab_path(workdir)), "vocab.model")
+  spec.register_file(str(wd.vocab), "vocab.model")
   spec.validate()
   if quantization in ("bfloat16", "int8_bfloat16") and not _torch_available():
     _to_bfloat16_without_torch(spec, quantization)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from pathlib import Path
 
 import sacrebleu
+
+from seq2seq.workdir import Workdir
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
@@ -33,12 +35,13 @@ class MetricsWriter:
   """Appends `{"step", "time", "split", ...}` lines to metrics.jsonl and scalars to
   TensorBoard event files. Only process 0 writes (others get a writer that does nothing)."""
 
-  def __init__(self, workdir, enabled: bool = True):
+  def __init__(self, workdir: Workdir | str | os.PathLike, enabled: bool = True):
     self.enabled = enabled
     self._tb = None
     if not enabled:
       return
-    self.path = Path(workdir) / "metrics.jsonl"
+    wd = Workdir.of(workdir)
+    self.path = wd.metrics
     if self.path.exists() and self.path.stat().st_size:
       with open(self.path, "rb+") as f:  # a run killed mid-line: end that line, keep the rest
         f.seek(-1, 2)
@@ -46,7 +49,7 @@ class MetricsWriter:
           f.write(b"\n")
     try:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), flush_secs=30)
+      self._tb = SummaryWriter(str(wd.tensorboard), flush_secs=30)
     except Exception:  # TensorBoard is a nicety; the JSON log is the record.
       self._tb = None
 
@@ -66,11 +69,11 @@ class MetricsWriter:
       self._tb.close()
 
 
-def read_metrics(workdir) -> list[dict]:
+def read_metrics(workdir: Workdir | str | os.PathLike) -> list[dict]:
   """The rows of <workdir>/metrics.jsonl in step order. A resumed run logs again the steps
   after its checkpoint: the last row written for a (split, step) wins. Lines that are not
   JSON (a run killed mid-line) are skipped with a warning."""
-  path = Path(workdir) / "metrics.jsonl"
+  path = Workdir.of(workdir).metrics
   if not path.exists():
     return []
   latest, bad = {}, 0

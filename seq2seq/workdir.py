@@ -1,315 +1,256 @@
-"""One training run per workdir: the lock `<workdir>/train.lock`.
+"""The workdir: what a run writes, and all that decoding and export read back.
 
-The lock is a small JSON file (host, pid, since, the host's boot id, the process's start
-time, a random token), created atomically before a run writes anything and removed when it
-ends. Its holder refreshes the file's modification time every `HEARTBEAT_SECONDS` (the
-heartbeat) and checks that the file still holds its token. In a multi-host run process 0
-holds it for all hosts.
+    <workdir>/config.json               the whole Config of the run
+    <workdir>/vocab.model               the SentencePiece vocabulary
+    <workdir>/vocab.json                what it was built from (data/dataset.py)
+    <workdir>/data_cache/               tokenized splits
+    <workdir>/train_sources.json        what the training sources were (data/sources.py)
+    <workdir>/checkpoints/<step>/       Orbax checkpoints (checkpoint.py)
+    <workdir>/checkpoints_unreadable/   checkpoints that did not read back, moved aside
+    <workdir>/metrics.jsonl, <workdir>/tensorboard/
+    <workdir>/train.lock                held by the run training in it (lock.py)
 
-A lock whose holder is gone is taken over with a warning:
-  * same host (same hostname, boot id and pid namespace): its pid is not alive, or is alive
-    but started at another time (the pid was reused);
-  * otherwise (another host, container or boot): its heartbeat is older than
-    `SEQ2SEQ_LOCK_STALE_SECONDS` (default 120), measured with the file system's clock (the
-    mtime of a file written just now beside it), so that the hosts' clocks need not agree.
-A run that finds the lock gone or naming another run stops before its next save.
+`Workdir` knows this layout, and the other modules ask it for their paths. It also creates
+and checks the directory, takes its lock, and removes what a refused run wrote.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
-import socket
-import threading
-import time
-import uuid
-import warnings
+import shutil
+import tempfile
 from pathlib import Path
 
+from seq2seq.config import Config, ConfigError
 from seq2seq.errors import UserError
+from seq2seq.lock import LOCK_FILE, WorkdirLock
 
-LOCK_FILE = "train.lock"
-HEARTBEAT_SECONDS = 10.0
-DEFAULT_STALE_SECONDS = 120
+CONFIG_FILE = "config.json"
+VOCAB_FILE = "vocab.model"
+VOCAB_RECORD_FILE = "vocab.json"
+DATA_CACHE_DIR = "data_cache"
+TRAIN_SOURCES_FILE = "train_sources.json"
+CKPT_DIR = "checkpoints"
+UNREADABLE_DIR = "checkpoints_unreadable"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
-
-class WorkdirLocked(UserError):
-  """Another run holds the workdir."""
-
-
-class LockLost(UserError):
-  """The lock file no longer names this run (deleted, or taken over by another run)."""
-
-
-def stale_seconds() -> float:
-  value = os.environ.get("SEQ2SEQ_LOCK_STALE_SECONDS", "") or str(DEFAULT_STALE_SECONDS)
-  if not value.isdigit() or int(value) < 1:
-    raise UserError(f"SEQ2SEQ_LOCK_STALE_SECONDS must be a whole number of seconds >= 1, "
-                    f"got {value!r}")
-  return float(value)
+# What a run writes into its workdir before it trains: removed again if it is refused.
+RUN_FILES = (CONFIG_FILE, VOCAB_FILE, VOCAB_RECORD_FILE, TRAIN_SOURCES_FILE, DATA_CACHE_DIR,
+             CKPT_DIR, METRICS_FILE, TENSORBOARD_DIR)
 
 
-def _boot_id() -> str:
-  try:
-    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-  except OSError:
-    return ""
+def refuse_url(path) -> None:
+  """Workdirs are written through the file system: a URL would become a local directory
+  named like it (and leave a run's checkpoints on this machine)."""
+  if "://" in str(path):
+    raise UserError(f"workdir {path} is a URL: give a file system path (a bucket mounted "
+                    f"with e.g. gcsfuse works)")
 
 
-def _pid_namespace() -> str:
-  try:
-    return os.readlink("/proc/self/ns/pid")
-  except OSError:
-    return ""
+class Workdir:
+  """One run's directory and the paths of what it holds."""
 
-
-def _stat(pid: int) -> list[str]:
-  """The fields of /proc/<pid>/stat after the name (Linux), [] if unknown."""
-  try:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-  except (OSError, IndexError):
-    return []
-
-
-def _start_time(pid: int) -> str:
-  """The process's start time in clock ticks since boot (Linux), "" if unknown."""
-  stat = _stat(pid)
-  return stat[19] if len(stat) > 19 else ""   # field 22
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:   # alive, another user's
-    return True
-  return _stat(pid)[:1] != ["Z"]   # a killed process not yet reaped by its parent
-
-
-@dataclasses.dataclass(frozen=True)
-class Holder:
-  host: str
-  pid: int
-  since: str              # local time, ISO 8601, of the holder's host
-  boot_id: str = ""
-  pid_namespace: str = ""
-  start_time: str = ""
-  token: str = ""
+  def __init__(self, path):
+    self.path = Path(path)
 
   @classmethod
-  def me(cls) -> "Holder":
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    return cls(host=socket.gethostname(), pid=os.getpid(), since=now, boot_id=_boot_id(),
-               pid_namespace=_pid_namespace(), start_time=_start_time(os.getpid()),
-               token=uuid.uuid4().hex)
+  def of(cls, workdir) -> Workdir:
+    """`workdir` if it is a Workdir already, else the Workdir at that path."""
+    return workdir if isinstance(workdir, Workdir) else cls(workdir)
 
-  def describe(self) -> str:
-    return f"host {self.host}, pid {self.pid}, since {self.since}"
+  @classmethod
+  def checked(cls, workdir, must_exist: bool = True) -> Workdir:
+    """The Workdir at `workdir`, or a one-line UserError for "", a URL, a file, or (if it
+    must exist) a missing one."""
+    if not str(workdir).strip():   # Path("") is the current directory
+      raise UserError("workdir is empty: give a directory (--workdir DIR)")
+    refuse_url(workdir)
+    wd = cls.of(workdir)
+    if wd.path.exists() and not wd.path.is_dir():
+      raise UserError(f"workdir {workdir} is a file, not a directory")
+    if must_exist and not wd.path.exists():
+      raise UserError(f"workdir {workdir} does not exist")
+    return wd
 
+  def __str__(self) -> str:
+    return str(self.path)
 
-def _read(path: Path) -> Holder | None:
-  """The holder named by the lock file; None if there is no file; raises ValueError if it
-  is not a lock file (empty or half-written by a process killed as it wrote it)."""
-  try:
-    text = path.read_text()
-  except FileNotFoundError:
-    return None
-  d = json.loads(text)   # ValueError (JSONDecodeError) for a torn file
-  fields = {f.name for f in dataclasses.fields(Holder)}
-  try:
-    return Holder(**{k: v for k, v in d.items() if k in fields})
-  except TypeError as e:
-    raise ValueError(str(e)) from None
+  def __fspath__(self) -> str:
+    return str(self.path)
 
+  def __repr__(self) -> str:
+    return f"Workdir({str(self.path)!r})"
 
-def _fs_now(directory: Path) -> float:
-  """The file system's current time: the mtime of a file created just now in `directory`
-  (on a shared file system that is the server's clock, which the heartbeat also uses)."""
-  probe = directory / f".{LOCK_FILE}.clock-{uuid.uuid4().hex[:8]}"
-  try:
-    probe.write_bytes(b"")
-    return probe.stat().st_mtime
-  except OSError:
-    return time.time()
-  finally:
-    probe.unlink(missing_ok=True)
+  # --- the layout -----------------------------------------------------------------------
 
+  @property
+  def config(self) -> Path:
+    return self.path / CONFIG_FILE
 
-def _create(path: Path, text: str) -> bool:
-  """Creates `path` holding `text` if it does not exist (atomically: no reader sees it
-  half-written); False if it exists."""
-  tmp = path.with_name(f".{path.name}.new-{uuid.uuid4().hex[:8]}")
-  tmp.write_text(text)
-  try:
-    os.link(tmp, path)
-    return True
-  except FileExistsError:
-    return False
-  except OSError:   # no hard links (some FUSE file systems): an exclusive create instead
-    try:
-      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    return True
-  finally:
-    tmp.unlink(missing_ok=True)
+  @property
+  def vocab(self) -> Path:
+    return self.path / VOCAB_FILE
 
+  @property
+  def vocab_record(self) -> Path:
+    return self.path / VOCAB_RECORD_FILE
 
-class WorkdirLock:
-  """`with WorkdirLock(workdir): ...` or acquire()/release(). `check()` raises LockLost
-  once the heartbeat has found the file gone or naming another run."""
+  @property
+  def data_cache(self) -> Path:
+    return self.path / DATA_CACHE_DIR
 
-  def __init__(self, workdir, heartbeat: float = HEARTBEAT_SECONDS):
-    self.workdir = Path(workdir)
-    self.path = self.workdir / LOCK_FILE
-    self.heartbeat = heartbeat
-    self.me = Holder.me()
-    self._held = False
-    self._lost: str | None = None
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
+  @property
+  def train_sources(self) -> Path:
+    return self.path / TRAIN_SOURCES_FILE
 
-  # --- taking it ------------------------------------------------------------------------
+  @property
+  def checkpoints(self) -> Path:
+    return self.path / CKPT_DIR
 
-  def acquire(self) -> None:
-    text = json.dumps(dataclasses.asdict(self.me), indent=1) + "\n"
-    torn_since = None
-    for _ in range(50):
-      try:
-        if _create(self.path, text):
-          return self._took()
-      except OSError as e:
-        raise UserError(f"workdir {self.workdir} is not writable: {e.strerror or e}") from None
-      try:
-        holder = _read(self.path)
-      except ValueError:   # being written (link makes that rare) or torn by a crash
-        torn_since = torn_since or time.monotonic()
-        if time.monotonic() - torn_since < 5 or self._age() < 10:
-          time.sleep(0.2)
-          continue
-        holder = Holder(host="?", pid=0, since="?")
-      if holder is None:   # released just now
-        continue
-      why = self._stale(holder)
-      if why is None:
-        raise WorkdirLocked(
-            f"workdir {self.workdir} is in use by another run ({holder.describe()}); wait "
-            f"for it to end or use another --workdir (if that run is gone, delete "
-            f"{self.path})")
-      if self._take_over(holder):
-        warnings.warn(f"took over the lock of workdir {self.workdir} from a run that is "
-                      f"gone ({holder.describe()}: {why})")
-        return self._took()
-    raise WorkdirLocked(f"workdir {self.workdir}: could not take {self.path} (other runs "
-                        f"keep taking it)")
+  @property
+  def unreadable_checkpoints(self) -> Path:
+    return self.path / UNREADABLE_DIR
 
-  def _age(self) -> float:
-    try:
-      return _fs_now(self.workdir) - self.path.stat().st_mtime
-    except FileNotFoundError:
-      return 0.0
+  @property
+  def metrics(self) -> Path:
+    return self.path / METRICS_FILE
 
-  def _stale(self, h: Holder) -> str | None:
-    """Why the holder `h` is gone, or None if it may be running."""
-    if (h.host, h.boot_id, h.pid_namespace) == (self.me.host, self.me.boot_id,
-                                                self.me.pid_namespace):
-      if h.pid == self.me.pid and h.start_time == self.me.start_time:
-        return None                       # this very process (another thread's run)
-      if not _pid_alive(h.pid):
-        return "its process is not running"
-      if h.start_time and self.me.start_time and _start_time(h.pid) != h.start_time:
-        return f"pid {h.pid} is now another process"
+  @property
+  def tensorboard(self) -> Path:
+    return self.path / TENSORBOARD_DIR
+
+  @property
+  def lock_file(self) -> Path:
+    return self.path / LOCK_FILE
+
+  # --- the config -----------------------------------------------------------------------
+
+  def read_config(self) -> Config | None:
+    path = self.config
+    if not path.exists():
       return None
-    limit = stale_seconds()
-    age = self._age()
-    if age > limit:
-      return f"no heartbeat for {age:.0f} s (more than {limit:.0f} s)"
-    return None
-
-  def _take_over(self, old: Holder) -> bool:
-    """Replaces the lock of `old` by ours, unless another run changed it meanwhile. A short
-    second lock (`train.lock.takeover`) keeps two runs from taking over at once."""
-    guard = self.path.with_name(self.path.name + ".takeover")
-    if not _create(guard, self.me.token):
-      try:
-        if _fs_now(self.workdir) - guard.stat().st_mtime > 30:   # left by a crash
-          guard.unlink(missing_ok=True)
-      except FileNotFoundError:
-        pass
-      time.sleep(0.2)
-      return False
     try:
-      try:
-        current = _read(self.path)
-      except ValueError:
-        current = Holder(host="?", pid=0, since="?")
-      if current is not None and current.token != old.token:
-        return False
-      tmp = self.path.with_name(f".{self.path.name}.new-{uuid.uuid4().hex[:8]}")
-      tmp.write_text(json.dumps(dataclasses.asdict(self.me), indent=1) + "\n")
-      os.replace(tmp, self.path)
-      return True
-    finally:
-      guard.unlink(missing_ok=True)
+      return Config.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ConfigError) as e:
+      raise UserError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
 
-  def _took(self) -> None:
-    if _read(self.path) != self.me:   # a file system that does not honour exclusive creates
-      raise WorkdirLocked(f"workdir {self.workdir}: another run took {self.path} at the "
-                          f"same time")
-    self._held = True
-    self._thread = threading.Thread(target=self._beat, name="workdir-lock", daemon=True)
-    self._thread.start()
+  def write_config(self, cfg: Config) -> None:
+    """Atomic write (temp file + rename): a crash never leaves half a config."""
+    path = self.config
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(cfg.to_json())
+    os.replace(tmp, path)
 
-  # --- holding it -----------------------------------------------------------------------
+  # --- a run in it ----------------------------------------------------------------------
 
-  def _beat(self) -> None:
-    while not self._stop.wait(self.heartbeat):
+  def create(self) -> list[Path]:
+    """Makes the directory and its missing parents; returns those it made, deepest first."""
+    made = [d for d in (self.path, *self.path.parents) if not d.exists()]
+    try:
+      self.path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise UserError(f"workdir {self} is not writable: {e.strerror or e}") from None
+    return made
+
+  @staticmethod
+  def remove_made(made: list[Path]) -> None:
+    """Removes the directories `create` made, deepest first, up to the first that holds
+    something."""
+    for d in made:
       try:
-        holder = _read(self.path)
-      except (OSError, ValueError):
-        continue   # a passing file system error: try again at the next beat
-      if holder != self.me:
-        self._lost = ("it was deleted" if holder is None else
-                      f"it now names another run: {holder.describe()}")
-        return
-      try:
-        os.utime(self.path)
+        d.rmdir()
       except OSError:
-        pass
+        break
 
-  def check(self) -> None:
-    """LockLost if this run no longer holds the lock (read now, and as the heartbeat found)."""
-    if self._held and not self._lost:
+  def prepare(self, cfg: Config) -> Config:
+    """Creates/validates the workdir. A workdir that already holds a run must be resumed with
+    the same model and data config (the run's train section may change, e.g. more steps)."""
+    self.create()
+    # The workdir, and what a run there writes into: each probed by writing, not by its mode
+    # bits (root, read-only mounts, immutable files).
+    for path, is_dir in ((self.path, True), (self.checkpoints, True), (self.metrics, False)):
       try:
-        holder = _read(self.path)
-        if holder != self.me:
-          self._lost = ("it was deleted" if holder is None else
-                        f"it now names another run: {holder.describe()}")
-      except (OSError, ValueError):
-        pass
-    if self._lost:
-      raise LockLost(f"this run no longer holds the lock of workdir {self.workdir} "
-                     f"({self._lost}); stopped without saving, so that two runs never "
-                     f"write one workdir (the checkpoints saved before are intact)")
+        if is_dir and path.exists():   # a probe of its own: processes probe it at once
+          with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe"):
+            pass
+        elif path.exists():
+          open(path, "a").close()
+      except OSError as e:
+        raise UserError(f"{'workdir ' if path == self.path else ''}{path} is not writable: "
+                        f"{e.strerror or e}") from None
+    old = self.read_config()
+    return cfg if old is None else self._resumed_config(old, cfg)
 
-  def release(self) -> None:
-    if not self._held:
-      return
-    self._held = False
-    self._stop.set()
-    try:
-      if _read(self.path) == self.me:
-        self.path.unlink()
-    except (OSError, ValueError):
-      pass
+  def _resumed_config(self, old: Config, cfg: Config) -> Config:
+    """`cfg` for resuming the run of `old`: its model and data config, `cfg`'s train
+    section; UserError if `cfg` changes what the checkpoints hold."""
+    if _optimizer_structure(old) != _optimizer_structure(cfg):
+      changed = [f"train.{k}: {getattr(old.train, k)} -> {getattr(cfg.train, k)}"
+                 for k in ("clip_grad_norm", "weight_decay")
+                 if (getattr(old.train, k) > 0) != (getattr(cfg.train, k) > 0)]
+      raise UserError(f"workdir {self} holds a run whose optimizer state has another form "
+                      f"({'; '.join(changed) or 'train section'}): turning clipping or weight "
+                      f"decay on or off needs a new --workdir")
+    for section in ("model", "data"):
+      a, b = getattr(old, section), getattr(cfg, section)
+      if section == "model":  # the vocabulary size is derived from the data; the kernels
+        b = b.replace(vocab_size=a.vocab_size, kernels=a.kernels)  # compute the same model
+      else:                   # a run stored before paths were made absolute
+        a = a.with_absolute_paths()
+      if a != b:
+        diff = [f"{f.name}: {getattr(a, f.name)!r} -> {getattr(b, f.name)!r}"
+                for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+        raise UserError(f"workdir {self} holds a run with a different {section} config "
+                        f"({'; '.join(diff[:3])}); resume without changing it or use a new "
+                        f"--workdir")
+    return old.replace(model=old.model.replace(kernels=cfg.model.kernels),
+                       data=old.data.with_absolute_paths(), train=cfg.train)
 
-  def __enter__(self) -> "WorkdirLock":
-    self.acquire()
-    return self
+  def lock(self) -> WorkdirLock:
+    """Takes the workdir's lock (lock.py); WorkdirLocked if another run holds it."""
+    lock = WorkdirLock(self.path)
+    lock.acquire()
+    return lock
 
-  def __exit__(self, *exc) -> None:
-    self.release()
+  def run_files(self) -> set[str]:
+    """What a run writes (RUN_FILES, and each file of the data cache) that is there now."""
+    names = {n for n in RUN_FILES if (self.path / n).exists()}
+    if self.data_cache.is_dir():
+      names |= {f"{DATA_CACHE_DIR}/{f.name}" for f in self.data_cache.iterdir()}
+    return names
+
+  def remove_new_run_files(self, before: set[str]) -> None:
+    """Removes what this attempt wrote (the workdir is locked: no one else wrote it). Only the
+    run's own files: anything else, e.g. checkpoints moved aside, stays."""
+    for name in sorted(self.run_files() - before, key=lambda n: -n.count("/")):
+      path = self.path / name
+      if name == CKPT_DIR and any(path.iterdir()):
+        continue
+      if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        path.unlink(missing_ok=True)
+
+
+def _optimizer_structure(cfg: Config):
+  """The tree structure of the optimizer's state (what a checkpoint must match)."""
+  import jax   # here, not above: the layout and the lock need no JAX
+  import numpy as np
+  from seq2seq.state import optimizer
+  return jax.tree_util.tree_structure(optimizer(cfg).init({"w": np.zeros(1, np.float32)}))
+
+
+# The same for a path, as the modules that held them before offer them.
+
+def read_config(workdir) -> Config | None:
+  return Workdir.of(workdir).read_config()
+
+
+def write_config(workdir, cfg: Config) -> None:
+  Workdir.of(workdir).write_config(cfg)
+
+
+def prepare_workdir(cfg: Config, workdir) -> Config:
+  return Workdir.checked(workdir, must_exist=False).prepare(cfg)

@@ -13,12 +13,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from seq2seq import workdir as wl  # noqa: E402
+from seq2seq import lock as wl  # noqa: E402
 
 
 def hold(workdir, then="time.sleep(600)") -> subprocess.Popen:
   """A process that takes the lock of `workdir`, says so, then runs `then`."""
-  code = ("import time; from seq2seq.workdir import WorkdirLock; "
+  code = ("import time; from seq2seq.lock import WorkdirLock; "
           f"lock = WorkdirLock({str(workdir)!r}); lock.acquire(); print('held', flush=True); "
           f"{then}")
   p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -117,7 +117,7 @@ def test_only_one_of_many_takes_over_a_stale_lock(tmp_path):
   stale = dataclasses.replace(wl.Holder.me(), pid=int(dead), token="dead")
   (tmp_path / wl.LOCK_FILE).write_text(json.dumps(dataclasses.asdict(stale)))
   code = ("import sys, time, warnings; warnings.simplefilter('ignore'); "
-          "from seq2seq.workdir import WorkdirLock, WorkdirLocked\n"
+          "from seq2seq.lock import WorkdirLock, WorkdirLocked\n"
           "time.sleep(float(sys.argv[1]) - time.time())\n"
           f"try:\n  WorkdirLock({str(tmp_path)!r}).acquire(); print('took', flush=True)\n"
           "  time.sleep(3)\n"

@@ -29,12 +29,13 @@ import hashlib
 import io
 import json
 import logging
+import os
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 
 from seq2seq.config import Config
 from seq2seq.data import catalog, numbers, parallel_text, sources
@@ -42,6 +43,7 @@ from seq2seq.data.pipeline import Ragged, TrainStream, apply_length_policy, pad_
 from seq2seq.data.tokenizer import (EOS_ID, Tokenizer, atomic_write, normalize_source,
                                     wait_for)
 from seq2seq.errors import UserError
+from seq2seq.workdir import Workdir
 
 log = logging.getLogger("seq2seq.data")
 
@@ -148,10 +150,10 @@ def open_source(cfg: Config, process_index: int = 0) -> Source:
 class Dataset:
   """Tokenized splits of one source and the batches built from them."""
 
-  def __init__(self, cfg: Config, workdir: str, source: Source, tokenizer: Tokenizer,
+  def __init__(self, cfg: Config, wd: Workdir, source: Source, tokenizer: Tokenizer,
                process_index: int, process_count: int, defer_writes: bool = False):
     self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
-    self.workdir = epath.Path(workdir)
+    self.workdir = wd
     # With defer_writes, tokenized splits are kept until flush(): nothing is written before
     # the checks on the data (shards, lengths) have passed.
     self._pending: list[tuple[str, bytes]] | None = [] if defer_writes else None
@@ -170,11 +172,11 @@ class Dataset:
 
   # --- tokenized arrays, cached on disk -----------------------------------------------
 
-  def _cache_path(self, split: str, shard: str) -> epath.Path:
+  def _cache_path(self, split: str, shard: str) -> Path:
     key = hashlib.sha256(self.tokenizer.model_proto)
     key.update(f"{self.source.name}|{self.source.src_key}>{self.source.tgt_key}|{split}|"
                f"{shard}|{self.source.num_examples(split)}".encode())
-    return self.workdir / "data_cache" / f"{split}-{shard}-{key.hexdigest()[:16]}.npz"
+    return self.workdir.data_cache / f"{split}-{shard}-{key.hexdigest()[:16]}.npz"
 
   def _tokenized(self, split: str, indices, shard: str) -> tuple[Ragged, Ragged]:
     """Token ids (no EOS) of examples `indices` of `split`, from the cache if present."""
@@ -312,9 +314,6 @@ def _process() -> tuple[int, int]:
   return jax.process_index(), jax.process_count()
 
 
-VOCAB_RECORD = "vocab.json"
-
-
 def vocab_built_from(cfg: Config, source: Source, vocab_size: int) -> dict:
   """What a vocabulary trained for `cfg` is built from: the training split's identity and
   the SentencePiece settings."""
@@ -336,22 +335,22 @@ def vocab_built_from(cfg: Config, source: Source, vocab_size: int) -> dict:
           "character_coverage": d.character_coverage, "max_pairs": SPM_MAX_PAIRS}
 
 
-def _read_record(workdir: epath.Path) -> dict | None:
+def _read_record(wd: Workdir) -> dict | None:
   try:
-    record = json.loads((workdir / VOCAB_RECORD).read_text())
+    record = json.loads(wd.vocab_record.read_text())
   except (OSError, ValueError):
     return None
   return record if isinstance(record, dict) else None
 
 
-def _stored_vocab(workdir: epath.Path, built_from: dict) -> tuple[bytes | None, str]:
+def _stored_vocab(wd: Workdir, built_from: dict) -> tuple[bytes | None, str]:
   """(the stored vocabulary if this run may use it, why it may not: "" if it may)."""
-  path = workdir / "vocab.model"
+  path = wd.vocab
   if not path.exists():
     return None, ""
   proto = path.read_bytes()
-  record = _read_record(workdir)
-  of_a_run = (workdir / "config.json").exists()   # its checkpoints depend on it
+  record = _read_record(wd)
+  of_a_run = wd.config.exists()   # its checkpoints depend on it
   if record is not None and record.get("sha256") != hashlib.sha256(proto).hexdigest():
     why = "it is not the file vocab.json describes"
   elif record is None:
@@ -368,26 +367,26 @@ def _stored_vocab(workdir: epath.Path, built_from: dict) -> tuple[bytes | None, 
   return (None if why else proto), why
 
 
-def _vocabulary(workdir: epath.Path, built_from: dict, sentences, process_index: int
+def _vocabulary(wd: Workdir, built_from: dict, sentences, process_index: int
                 ) -> tuple[Tokenizer, bool]:
   """(the tokenizer, whether it is new and still to be written by `_write_vocabulary`).
   Process 0 reuses the stored vocabulary or trains one in memory; the others wait for the
   one process 0 writes."""
-  path = workdir / "vocab.model"
+  path = wd.vocab
   if process_index != 0:
     def ready():
-      proto, why = _stored_vocab(workdir, built_from)
+      proto, why = _stored_vocab(wd, built_from)
       return proto is not None and not why
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       wait_for(ready, str(path), PREPARE_TIMEOUT)
     return Tokenizer.load(str(path)), False
-  proto, why = _stored_vocab(workdir, built_from)
+  proto, why = _stored_vocab(wd, built_from)
   if proto is not None:
     try:
       return Tokenizer(proto, str(path)), False
     except (RuntimeError, UserError) as e:
-      if (workdir / "config.json").exists():
+      if wd.config.exists():
         raise UserError(f"{path} is not a readable SentencePiece model ({e})") from None
       why = "it is not a readable SentencePiece model"
   if why:
@@ -398,17 +397,18 @@ def _vocabulary(workdir: epath.Path, built_from: dict, sentences, process_index:
                          character_coverage=d["character_coverage"]), True
 
 
-def _write_vocabulary(workdir: epath.Path, tokenizer: Tokenizer, built_from: dict) -> None:
+def _write_vocabulary(wd: Workdir, tokenizer: Tokenizer, built_from: dict) -> None:
   """vocab.model, then the record that vouches for it (a reader that finds the record finds
   its vocabulary)."""
-  atomic_write(str(workdir / "vocab.model"), tokenizer.model_proto)
+  atomic_write(str(wd.vocab), tokenizer.model_proto)
   record = {"sha256": hashlib.sha256(tokenizer.model_proto).hexdigest(),
             "built_from": built_from}
-  atomic_write(str(workdir / VOCAB_RECORD), (json.dumps(record, indent=2) + "\n").encode())
+  atomic_write(str(wd.vocab_record), (json.dumps(record, indent=2) + "\n").encode())
 
 
-def load_dataset(cfg: Config, workdir: str, *, process_index: int | None = None,
-                 process_count: int | None = None) -> Dataset:
+def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
+                 process_index: int | None = None, process_count: int | None = None
+                 ) -> Dataset:
   """Prepares the data of `cfg.data`, the tokenizer (<workdir>/vocab.model, trained on the
   training split unless a matching one is stored) and the tokenized splits. UserError on
   bad input, before anything is written into the workdir.
@@ -432,16 +432,15 @@ def load_dataset(cfg: Config, workdir: str, *, process_index: int | None = None,
     log.info("training SentencePiece (%d pieces) on %d pairs", vocab_size, len(src))
     return [normalize_source(s, d.lowercase_source) for s in src] + tgt
 
-  wd = epath.Path(workdir)
+  wd = Workdir.of(workdir)
   built_from = vocab_built_from(cfg, source, vocab_size)
   tokenizer, new = _vocabulary(wd, built_from, sentences, process_index)
   tokenizer.lowercase_source = d.lowercase_source
-  ds = Dataset(cfg, workdir, source, tokenizer, process_index, process_count,
-               defer_writes=True)
-  wd.mkdir(parents=True, exist_ok=True)
+  ds = Dataset(cfg, wd, source, tokenizer, process_index, process_count, defer_writes=True)
+  wd.path.mkdir(parents=True, exist_ok=True)
   if new:   # every check has passed: now the files
     _write_vocabulary(wd, tokenizer, built_from)
   ds.flush()
   if process_index == 0:
-    sources.write(workdir, ds.train_sources())
+    sources.write(wd, ds.train_sources())
   return ds

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Sequence
 
 from etils import epath
 
 from seq2seq.data import numbers
 from seq2seq.data.tokenizer import EOS_ID, atomic_write
-
-FILE = "train_sources.json"
+from seq2seq.workdir import Workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,15 +27,15 @@ class TrainSources:
   example: str = ""         # a source of the run's data, held out when a split is
 
 
-def write(workdir, record: TrainSources) -> None:
+def write(workdir: Workdir | str | os.PathLike, record: TrainSources) -> None:
   data = {"longest": int(record.longest), "pieces": sorted(int(i) for i in record.pieces),
           "example": record.example}
-  atomic_write(str(epath.Path(workdir) / FILE), json.dumps(data).encode())
+  atomic_write(str(Workdir.of(workdir).train_sources), json.dumps(data).encode())
 
 
-def read(workdir) -> TrainSources | None:
+def read(workdir: Workdir | str | os.PathLike) -> TrainSources | None:
   """The workdir's record; None for a workdir written before runs kept one (or damaged)."""
-  path = epath.Path(workdir) / FILE
+  path = epath.Path(Workdir.of(workdir).train_sources)
   try:
     data = json.loads(path.read_text())
     return TrainSources(int(data["longest"]), frozenset(int(i) for i in data["pieces"]),

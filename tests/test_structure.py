@@ -1,0 +1,60 @@
+"""The training path in modules a reader can hold: none longer than LIMIT lines, and no
+module of the package importing, as it is imported, one that imports it back."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "seq2seq"
+LIMIT = 350
+TRAINING_PATH = ("train_lib", "steps", "evaluate", "workdir", "lock", "checkpoint",
+                 "checksums", "load", "metrics", "state", "losses", "optim", "sharding")
+
+
+@pytest.mark.parametrize("name", TRAINING_PATH)
+def test_the_training_paths_modules_are_short(name):
+  lines = len((PACKAGE / f"{name}.py").read_text().splitlines())
+  assert lines <= LIMIT, f"seq2seq/{name}.py has {lines} lines, more than {LIMIT}"
+
+
+def _modules() -> dict[str, Path]:
+  return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+          .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imported_at_import_time(path: Path, modules) -> set[str]:
+  """The package's modules that `path` imports outside its functions."""
+  found, todo = set(), list(ast.parse(path.read_text()).body)
+  while todo:
+    node = todo.pop()
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      continue
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      for a in node.names:   # `from package import module` imports the module
+        sub = f"{node.module}.{a.name}"
+        found.add(sub if sub in modules else node.module)
+    todo.extend(ast.iter_child_nodes(node))
+  return found & set(modules)
+
+
+def test_no_import_cycle():
+  modules = _modules()
+  graph = {m: _imported_at_import_time(p, modules) - {m} for m, p in modules.items()}
+  done, path = set(), []
+
+  def visit(m):
+    if m in path:
+      cycle = path[path.index(m):] + [m]
+      pytest.fail("import cycle: " + " -> ".join(cycle))
+    if m in done:
+      return
+    path.append(m)
+    for d in sorted(graph[m]):
+      visit(d)
+    path.pop()
+    done.add(m)
+
+  for m in sorted(graph):
+    visit(m)
