@@ -53,6 +53,11 @@ def parse_args(argv):
                  help="checkpoint to use (default: the latest)")
   p.add_argument("--beam_size", type=int, default=None, help="default 4; 1 = greedy")
   p.add_argument("--alpha", type=float, default=None, help="beam length penalty (default 0.6)")
+  p.add_argument("--beam_stop", default=None, choices=("exact", "best", "count"),
+                 help="when beam search ends a sentence: exact (default: once no alive "
+                 "hypothesis can beat the best finished one), best (once the step's best "
+                 "extension ends it, as CTranslate2 without a length penalty) or count "
+                 "(once beam_size hypotheses have ended, as fairseq)")
   p.add_argument("--n_best", type=int, default=None, metavar="N",
                  help="print the N best hypotheses with their scores (beam search)")
   p.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
@@ -78,7 +83,8 @@ def parse_args(argv):
 
 def strategy_from_flags(*, beam_size: int | None = None, alpha: float | None = None,
                         n_best: int | None = None, temperature: float | None = None,
-                        top_k: int | None = None, top_p: float | None = None) -> Strategy:
+                        top_k: int | None = None, top_p: float | None = None,
+                        beam_stop: str | None = None) -> Strategy:
   """decode.py's rule (None = flag not given): any of temperature / top_k / top_p means
   sampling, beam_size 1 means greedy, otherwise beam search (default size 4, alpha 0.6).
   Options that contradict the chosen strategy raise UserError, e.g. top_k with a beam size
@@ -92,11 +98,13 @@ def strategy_from_flags(*, beam_size: int | None = None, alpha: float | None = N
     if beam_size not in (None, 1):
       raise UserError(f"{', '.join(sampling)} (sampling) cannot be used with beam search "
                       f"(beam size {beam_size!r}); drop the beam size to sample")
-    return get_strategy("sample", alpha=alpha, n_best=n_best, **sampling)
+    return get_strategy("sample", alpha=alpha, n_best=n_best, beam_stop=beam_stop,
+                        **sampling)
   if beam_size == 1:
-    return get_strategy("greedy", alpha=alpha, n_best=n_best)
+    return get_strategy("greedy", alpha=alpha, n_best=n_best, beam_stop=beam_stop)
   return get_strategy("beam", beam_size=paper.size if beam_size is None else beam_size,
-                      alpha=paper.alpha if alpha is None else alpha, n_best=n_best)
+                      alpha=paper.alpha if alpha is None else alpha, n_best=n_best,
+                      beam_stop=beam_stop)
 
 
 def _one_line(text: str) -> str:
@@ -271,7 +279,8 @@ def main(argv=None) -> int:
       raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
     strategy = strategy_from_flags(
         beam_size=args.beam_size, alpha=args.alpha, n_best=args.n_best,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        beam_stop=args.beam_stop)
     if args.sentences and args.input is not None:
       raise UserError("give SENTENCE arguments or --input, not both")
     cfg, params, tokenizer = load_workdir(args.workdir, args.checkpoint_step)

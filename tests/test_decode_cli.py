@@ -487,11 +487,11 @@ def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir
                         "twelve", "three hundred"], env=env, capture_output=True, text=True,
                        timeout=300, cwd=str(ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
-    hit = "Persistent compilation cache hit for 'jit__decode_impl'" in p.stderr
+    hit = "Persistent compilation cache hit for 'jit__loop_impl'" in p.stderr
     return p.stdout, hit
 
   first, hit = decode(env)
-  assert not hit and any(f.name.startswith("jit__decode_impl") for f in cache.iterdir())
+  assert not hit and any(f.name.startswith("jit__loop_impl") for f in cache.iterdir())
   second, hit = decode(env)
   assert hit and second == first
   for off in ("off", "/proc/no/such/dir"):   # off, or a directory that cannot be made
@@ -513,6 +513,8 @@ def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir
     (dict(beam_size=1, alpha=0.6), "alpha cannot be used with greedy"),
     (dict(n_best=5), r"n_best must be an integer in \[1, beam size 4\]"),
     (dict(beam_size=0), "beam size must be"),
+    (dict(beam_stop="count"), Beam(4, 0.6, 1, "count")),
+    (dict(beam_size=1, beam_stop="best"), "beam_stop cannot be used with greedy"),
 ])
 def test_strategy_from_flags(flags, want):
   if isinstance(want, str):

@@ -164,19 +164,28 @@ def test_ct2_log_probs_and_greedy_tokens_equal_ours(model, vocab, tmp_path, caps
     ("bfloat16", "float32", 0.05)])
 def test_quantized_exports_run_and_mostly_agree(quantization, compute_type, mean_tol, vocab,
                                                 tmp_path, capsys):
+  """What the export writes: quantized weights and their scales. Loaded back as float32
+  (CTranslate2 dequantizes them at load), they score like ours up to the quantization's
+  error, on every CPU. With the quantized compute type, CTranslate2's own kernels run (their
+  int8 arithmetic differs between CPUs: without AVX-512 VNNI the mean error reaches ~0.6
+  on this random model; the trained model's int8 translations are checked in the slow
+  test below)."""
   cfg, params, tok = write_workdir(tmp_path / "w", vocab)
   code, out, err = run_export(capsys, "ctranslate2", "--workdir", tmp_path / "w", "--output",
                               tmp_path / "ct2", "--quantization", quantization)
   assert code == 0 and f"{quantization} weights" in out, (out, err)
-  translator = ctranslate2.Translator(str(tmp_path / "ct2"), compute_type=compute_type,
-                                      intra_threads=1)
   ours = np.concatenate(our_log_probs(cfg, params, tok, PAIRS))
-  theirs = np.concatenate(ct2_log_probs(translator, tok, PAIRS))
+  stored = ctranslate2.Translator(str(tmp_path / "ct2"), compute_type="float32",
+                                  intra_threads=1)
+  theirs = np.concatenate(ct2_log_probs(stored, tok, PAIRS))
   err = np.abs(ours - theirs)
   # Really quantized (not float32 noise), yet the same model: a small mean error, and the
   # log-probabilities still ordered alike.
   assert 1e-3 < err.mean() < mean_tol, err.mean()
   assert np.corrcoef(ours, theirs)[0, 1] > 0.99
+  kernels = ctranslate2.Translator(str(tmp_path / "ct2"), compute_type=compute_type,
+                                   intra_threads=1)
+  assert all(np.isfinite(lp).all() for lp in ct2_log_probs(kernels, tok, PAIRS))
 
 
 def assert_refused(code, out, err, message):
