@@ -12,9 +12,13 @@ BLEU against the reference:
         --source $D/test.en --reference $D/test.fr \\
         --peer_python /work/venvs/ct2/bin/python            # ~5 min for 1,007 verses
 
-Ours: `translate_nbest` (what decode.py runs) at each `--dtypes`, batch `--batch_size`
-sentences; the first pass compiles (its time is reported apart), then `--repeats` passes,
-the median reported. CTranslate2: `translate_batch` with max_batch_size=batch_size,
+Ours: `translate_nbest` (what decode.py runs) at each `--dtypes`, `--batch_size` sentences
+at a time, in decode slots that refill (`--batching slots`, the default: `useful` is the
+share of slot-steps that made a token of a returned translation) and/or in fixed batches
+each run until its slowest sentence ends (`fixed`); with both, the line after the table
+says on how many sentences they agree. The first pass compiles (its time is reported
+apart), then `--repeats` passes, the median reported. `beam4_best` and `beam4_count` are
+our beam search with its other stop rules (search.Beam.stop). CTranslate2: `translate_batch` with max_batch_size=batch_size,
 intra_threads=2, at each `--compute_types`, after one warm-up batch, median of `--repeats`
 passes. Beam search: size 4, length penalty 0.6 for both (CTranslate2 divides by
 length ** 0.6, we by GNMT's ((5 + length) / 6) ** 0.6); greedy is the same search in
@@ -26,6 +30,7 @@ hypothesis of each sentence, EOS counted. Writes bench/results/translate.json.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -38,7 +43,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-STRATEGIES = {"greedy": 1, "beam4": 4}
+# name -> (beam size, our stop rule); CTranslate2 runs greedy and beam4 with its own rule.
+STRATEGIES = {"greedy": (1, None), "beam4": (4, "exact"), "beam4_best": (4, "best"),
+              "beam4_count": (4, "count")}
+PEER_STRATEGIES = ("greedy", "beam4")
 ALPHA = 0.6
 
 
@@ -47,20 +55,28 @@ def _lines(path: str) -> list[str]:
     return f.read().splitlines()
 
 
-def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repeats):
-  """`params` already as `decoding.decode_params(model_cfg, ...)` makes them."""
+def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repeats,
+             batching="slots"):
+  """`params` already as `decoding.decode_params(model_cfg, ...)` makes them. The first pass
+  compiles (from an empty compile cache: this process enables none)."""
   from seq2seq.search import Beam, Greedy
+  from seq2seq.slots import StreamStats
   from seq2seq.translate import translate_nbest
-  beam = STRATEGIES[strategy_name]
-  strategy = Beam(size=beam, alpha=ALPHA) if beam > 1 else Greedy()
+  beam, stop = STRATEGIES[strategy_name]
+  strategy = Beam(size=beam, alpha=ALPHA, stop=stop) if beam > 1 else Greedy()
   seconds = []
   for _ in range(repeats + 1):
+    stats = StreamStats()
     t = time.perf_counter()
-    out = translate_nbest(params, model_cfg, tok, sentences, strategy, batch_size=batch_size)
+    out = translate_nbest(params, model_cfg, tok, sentences, strategy, batch_size=batch_size,
+                          batching=batching, stats=stats)
     seconds.append(time.perf_counter() - t)
-  return dict(system="seq2seq", precision=model_cfg.dtype, strategy=strategy_name,
-              first_pass_s=seconds[0], seconds=seconds[1:], new_tokens=out.num_tokens,
-              hypotheses=[t[0] for t in out.texts])
+  row = dict(system="seq2seq", precision=model_cfg.dtype, strategy=strategy_name,
+             batching=batching, first_pass_s=seconds[0], seconds=seconds[1:],
+             new_tokens=out.num_tokens, hypotheses=[t[0] for t in out.texts])
+  if batching == "slots":   # the share of slot-steps that made a token of a best hypothesis
+    row.update(useful=stats.useful, loop_returns=stats.runs)
+  return row
 
 
 def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, strategies,
@@ -70,7 +86,8 @@ def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, str
   skip = [len(s) == 1 for s in ids]   # empty: "" without decoding, as translate_nbest does
   pieces = [[tok.id_to_piece(i) for i in s[:-1]] for s, e in zip(ids, skip) if not e]
   job = dict(model_dir=model_dir, sources=pieces, compute_types=compute_types,
-             strategies=[(s, STRATEGIES[s]) for s in strategies], length_penalty=ALPHA,
+             strategies=[(s, STRATEGIES[s][0]) for s in strategies if s in PEER_STRATEGIES],
+             length_penalty=ALPHA,
              batch_size=batch_size, max_decoding_length=max_decoding_length,
              repeats=repeats, intra_threads=intra_threads)
   with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -102,8 +119,11 @@ def main(argv=None):
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--source", required=True, help="one sentence per line")
   ap.add_argument("--reference", help="its translations, one per line: BLEU")
-  ap.add_argument("--strategies", default=",".join(STRATEGIES))
+  ap.add_argument("--strategies", default="greedy,beam4",
+                  help=f"of {', '.join(STRATEGIES)} (beam4_*: our other beam stop rules)")
   ap.add_argument("--dtypes", default="float32,bfloat16", help="ours")
+  ap.add_argument("--batching", default="slots",
+                  help="ours: slots (decode slots that refill) and/or fixed (fixed batches)")
   ap.add_argument("--compute_types", default="float32,int8", help="CTranslate2's")
   ap.add_argument("--batch_size", type=int, default=64, help="sentences per batch")
   ap.add_argument("--repeats", type=int, default=2)
@@ -125,13 +145,18 @@ def main(argv=None):
   strategies = args.strategies.split(",")
   cfg, params, tok = checkpoint.load_workdir(args.workdir)
   rows = []
+  unknown = [s for s in strategies if s not in STRATEGIES]
+  if unknown:
+    raise SystemExit(f"unknown strategy {unknown[0]!r}: choose of {', '.join(STRATEGIES)}")
   for dtype in args.dtypes.split(","):
     model_cfg = cfg.model.replace(dtype=dtype)
     decode_params = decoding.decode_params(model_cfg, params)
     for s in strategies:
-      rows.append(run_ours(model_cfg, decode_params, tok, sentences, s, args.batch_size,
-                           args.repeats))
-      print(f"ours {dtype} {s}: {statistics.median(rows[-1]['seconds']):.1f} s", flush=True)
+      for batching in args.batching.split(","):
+        rows.append(run_ours(model_cfg, decode_params, tok, sentences, s, args.batch_size,
+                             args.repeats, batching))
+        print(f"ours {dtype} {s} {batching}: {statistics.median(rows[-1]['seconds']):.1f} s",
+              flush=True)
   version = None
   if args.peer_python != "none":
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,8 +172,8 @@ def main(argv=None):
   cpu = cpu_name()
   print(f"\n{len(sentences)} sentences of {args.source}, batch {args.batch_size}; "
         f"{cpu}; CTranslate2 {version}")
-  print(f"{'system':12} {'precision':10} {'strategy':8} {'seconds':>8} {'first':>6} "
-        f"{'tokens/s':>9} {'BLEU':>6}")
+  print(f"{'system':12} {'precision':10} {'strategy':11} {'batching':8} {'seconds':>8} "
+        f"{'first':>6} {'tokens/s':>9} {'BLEU':>6} {'useful':>6}")
   for r in rows:
     if "error" in r:
       print(f"{r['system']:12} {r['precision']:10} refused: {r['error']}")
@@ -158,13 +183,31 @@ def main(argv=None):
     if references is not None:
       r["bleu"] = metrics.bleu(r["hypotheses"], references)
     first = f"{r['first_pass_s']:6.1f}" if "first_pass_s" in r else f"{'':6}"
-    print(f"{r['system']:12} {r['precision']:10} {r['strategy']:8} {r['median_s']:8.1f} "
-          f"{first} {r['tokens_per_sec']:9.0f} {r.get('bleu', float('nan')):6.2f}")
+    useful = f"{r['useful']:6.1%}" if "useful" in r else f"{'':6}"
+    print(f"{r['system']:12} {r['precision']:10} {r['strategy']:11} {r.get('batching', ''):8} "
+          f"{r['median_s']:8.1f} {first} {r['tokens_per_sec']:9.0f} "
+          f"{r.get('bleu', float('nan')):6.2f} {useful}")
+  # Our two batchings translate alike (greedy and beam search: the same search per sentence).
+  by_key = collections.defaultdict(dict)
+  for r in rows:
+    if r["system"] == "seq2seq":
+      by_key[(r["precision"], r["strategy"])][r["batching"]] = r["hypotheses"]
+  for (precision, strategy), h in by_key.items():
+    if len(h) == 2:
+      same = sum(a == b for a, b in zip(h["slots"], h["fixed"]))
+      print(f"ours {precision} {strategy}: slots and fixed batches alike on {same} of "
+            f"{len(sentences)} sentences")
+      for r in rows:
+        if (r["system"], r.get("precision"), r.get("strategy")) == ("seq2seq", precision,
+                                                                    strategy):
+          r["same_as_other_batching"] = same
   if args.hypotheses_dir:
     os.makedirs(args.hypotheses_dir, exist_ok=True)
     for r in rows:
       if "hypotheses" in r:
-        name = f"{r['system']}.{r['precision']}.{r['strategy']}.txt"
+        name = ".".join([r["system"], r["precision"], r["strategy"]]
+                        + ([r["batching"]] if r.get("batching", "slots") != "slots" else [])
+                        ) + ".txt"
         with open(os.path.join(args.hypotheses_dir, name), "w", encoding="utf-8") as f:
           f.write("".join(h + "\n" for h in r["hypotheses"]))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -8,6 +8,7 @@ MarianMT decoding) measured on a reference CPU with AMX (REFERENCE_PEERS below).
     python bench/scorecard.py --read --peers bench/results/peers_torch.json   # + PyTorch peers
     python bench/scorecard.py --read --ct2 bench/results/peers_ct2.json   # + CTranslate2 decode
     python bench/scorecard.py --rounds 3   # train and decode speed 3 times, median: ~17 min
+    python bench/scorecard.py --read --translate bench/results/translate.json   # + real text
 
 The runs, one after another (each its own process, so none shares the cores with another):
     train.json           bench_train.py --steps 8             small and base, f32 and bf16
@@ -25,6 +26,10 @@ over the last 100 of 300 steps) is below the closest seed-to-seed pair: inside t
 With --ct2 (bench_peers_ct2.py's JSON, CTranslate2 run in its own venv on this machine), a
 second table puts our cached decode beside CTranslate2's: our float32 against its float32
 (goal 1.3x) and our fastest precision against its fastest, int8 included (goal 1.0x).
+With --translate (bench_translate.py's JSON: a trained workdir translating a real file, ours
+beside CTranslate2 in the same run), a third table: float32 against float32 and fastest
+against fastest (greedy goal 1.3x, beam 4 goal 1.0x), the share of our slot-steps that
+produce a token (goal 90%), our first pass and both engines' BLEU.
 Peers come from bench_peers_torch.py, run in its own venv (see its docstring): with
 --peers, each row also says whether ours, over the peer measured here, reaches the multiple
 of the reference peer figure that its target asks for ("x peer verdict"), a view that does
@@ -370,6 +375,66 @@ def ct2_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+# Real text (bench_translate.py: a trained workdir translating a file, ours beside
+# CTranslate2 in the same run): our float32 against its float32 and our fastest against its
+# fastest, greedy at this multiple, beam search at that; and the share of our slot-steps that
+# produce a token.
+TEXT_GOALS, USEFUL_GOAL = {"greedy": 1.3, "beam4": 1.0}, 0.9
+
+
+def translate_rows(files: dict[str, dict]) -> list[dict]:
+  """Per file (its JSON's path -> content) and strategy measured by both engines: tokens/s
+  of each precision's fastest warm pass, the ratios, our first pass (compiles included), our
+  useful share of slot-steps and both engines' BLEU."""
+  out = []
+  for path, res in files.items():
+    ours, theirs = collections.defaultdict(dict), collections.defaultdict(dict)
+    for r in res.get("rows", []):
+      if "error" in r or r.get("batching", "slots") != "slots":
+        continue
+      (ours if r["system"] == "seq2seq" else theirs)[r["strategy"]][r["precision"]] = r
+    for strategy in [s for s in TEXT_GOALS if s in ours and s in theirs]:
+      o, t = ours[strategy], theirs[strategy]
+      best = lambda d: max(d.values(), key=lambda r: r["tokens_per_sec"])  # noqa: E731
+      ob, tb = best(o), best(t)
+      f32 = (o["float32"]["tokens_per_sec"] / t["float32"]["tokens_per_sec"]
+             if "float32" in o and "float32" in t else None)
+      out.append(dict(
+          source=os.path.basename(res.get("source", path)), sentences=res.get("sentences"),
+          strategy=strategy, goal=TEXT_GOALS[strategy],
+          ours_f32=o.get("float32", {}).get("tokens_per_sec"),
+          ct2_f32=t.get("float32", {}).get("tokens_per_sec"), f32_ratio=f32,
+          ours_best=ob["tokens_per_sec"], ours_best_dtype=ob["precision"],
+          ct2_best=tb["tokens_per_sec"], ct2_best_type=tb["precision"],
+          best_ratio=ob["tokens_per_sec"] / tb["tokens_per_sec"],
+          useful=min((r["useful"] for r in o.values() if "useful" in r), default=None),
+          first_pass_s=max((r["first_pass_s"] for r in o.values()), default=None),
+          bleu_ours=ob.get("bleu"), bleu_ct2=tb.get("bleu")))
+  return out
+
+
+def translate_table(rows: list[dict]) -> str:
+  if not rows:
+    return "Real text: no file translated by both engines."
+  met = lambda r, need: "" if r is None else ("met" if r >= need else "MISSED")  # noqa: E731
+  lines = ["| real text (bench_translate.py) | ours f32 | CT2 float32 | x | goal | ours fastest"
+           " | CT2 fastest | x | goal | useful (≥ 90%) | first pass s | BLEU ours / CT2 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    f32 = "-" if r["f32_ratio"] is None else f"{r['f32_ratio']:.2f}"
+    useful = "-" if r["useful"] is None else f"{r['useful']:.1%} {met(r['useful'], USEFUL_GOAL)}"
+    bleu = ("-" if r["bleu_ours"] is None else
+            f"{r['bleu_ours']:.2f} / {r['bleu_ct2']:.2f}")
+    lines.append(
+        f"| {r['source']} ({r['sentences']}) {r['strategy']} | {_num(r['ours_f32'])} | "
+        f"{_num(r['ct2_f32'])} | {f32} | {r['goal']}x {met(r['f32_ratio'], r['goal'])} | "
+        f"{_num(r['ours_best'])} {SHORT.get(r['ours_best_dtype'], r['ours_best_dtype'])} | "
+        f"{_num(r['ct2_best'])} {r['ct2_best_type']} | {r['best_ratio']:.2f} | "
+        f"{r['goal']}x {met(r['best_ratio'], r['goal'])} | {useful} | "
+        f"{_num(r['first_pass_s'])} | {bleu} |")
+  return "\n".join(lines)
+
+
 def table(rows: list[Row]) -> str:
   """A Markdown table (readable as text too)."""
   peers = any(r.peer is not None for r in rows)
@@ -476,6 +541,8 @@ def main(argv=None) -> int:
   ap.add_argument("--peers", default="", help="bench_peers_torch.py's JSON, for peer columns")
   ap.add_argument("--ct2", default="", help="bench_peers_ct2.py's JSON: a table of our decode "
                   "beside CTranslate2's")
+  ap.add_argument("--translate", default="", help="bench_translate.py's JSON files, comma-"
+                  "separated: a table of real-text translation beside CTranslate2")
   ap.add_argument("--rounds", type=int, default=1,
                   help="run the train and decode speed benchmarks this many times, interleaved, "
                        "and score each workload's median round")
@@ -487,6 +554,7 @@ def main(argv=None) -> int:
   if unknown:
     sys.exit(f"error: unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
   peers, ct2 = _read_peer_file("--peers", args.peers), _read_peer_file("--ct2", args.ct2)
+  texts = {p: _read_peer_file("--translate", p) for p in args.translate.split(",") if p}
   if args.read and not os.path.isdir(args.dir):
     sys.exit(f"error: {args.dir} does not exist: run without --read first")
   failed = [] if args.read else run(names, args.dir, args.rounds)
@@ -495,6 +563,9 @@ def main(argv=None) -> int:
     rows = score(results, peers)
     against_ct2 = None if ct2 is None else ct2_rows(results, ct2)
     ct2_part = "" if ct2 is None else f"\n{ct2_table(against_ct2)}\n"
+    real_text = translate_rows(texts) if texts else None
+    if texts:
+      ct2_part += f"\n{translate_table(real_text)}\n"
   except (ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {e}" if isinstance(e, ValueError)
              else f"error: a result in {args.dir} lacks {e}: re-run its benchmark")
@@ -507,6 +578,7 @@ def main(argv=None) -> int:
     f.write(md)
   with open(os.path.join(args.dir, "scorecard.json"), "w") as f:
     json.dump(dict(machine=host, summary=summary(rows), ctranslate2=against_ct2,
+                   real_text=real_text,
                    rows=[dict(dataclasses.asdict(r), verdict=r.verdict,
                               peer_ratio=r.peer_ratio, peer_ratio_needed=r.peer_ratio_needed,
                               peer_verdict=r.peer_verdict,

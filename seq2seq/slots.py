@@ -256,7 +256,7 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
   slots: sentences decoded together (fewer if there are fewer sources: a power of two).
   refill: free slots filled at a time (default slots / 16, at least 1): each fill encodes
     that many sources together; smaller leaves fewer slots waiting.
-  queue: sources handed to the loop at a time (default 8 × slots): the loop returns to the
+  queue: sources handed to the loop at a time (default 2 × slots): the loop returns to the
     host when they are used up (and to narrow the slots' source width).
   max_len: every sentence's length limit; None = its source length + 50 (decode's default).
   rng: sampling key or seed (None = 0); sentence j draws from fold_in(rng, j).
@@ -279,7 +279,7 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     return results
   slots = min(slots, 1 << (n - 1).bit_length())
   refill = max(1, slots // 16) if refill is None else max(1, min(int(refill), slots))
-  queue = 8 * slots if queue is None else max(1, int(queue))
+  queue = 2 * slots if queue is None else max(1, int(queue))
   stats = StreamStats() if stats is None else stats
   ops = kernels.get(cfg.kernels)
   loop = _jitted_loop(tuple(sorted(ops.decode_compiler_options(cfg).items())))
