@@ -76,7 +76,9 @@ WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=3
 GPU_WORKLOADS = {"small": dict(vocab_size=8000, batch=128),
                  "base": dict(vocab_size=32000, batch=128),
                  "big": dict(vocab_size=32000, batch=128)}
-DRY_WORKLOADS = {"tiny": dict(vocab_size=64, batch=2)}
+DRY_WORKLOADS = {"tiny": dict(vocab_size=64, batch=2,
+                              model=dict(d_model=32, num_heads=2, d_ff=64,
+                                         num_encoder_layers=1, num_decoder_layers=1))}
 WORKLOAD_SETS = {"cpu": WORKLOADS, "gpu": GPU_WORKLOADS, "dry": DRY_WORKLOADS}
 STRATEGIES = {"greedy": search.Greedy(), "beam4": search.Beam(size=4, alpha=0.6)}
 # The project's speed targets, cached tokens/s (docs/performance.md, "The targets").
@@ -107,7 +109,8 @@ def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq"
   model_cls = importlib.import_module(package + ".model").Transformer
   w = WORKLOAD_SETS[workload_set][model]
   cfg = s2s.get_config(model, vocab_size=w["vocab_size"]).replace(dropout_rate=0.0,
-                                                                  dtype=dtype)
+                                                                  dtype=dtype,
+                                                                  **w.get("model", {}))
   if kernels:
     cfg = cfg.replace(kernels=kernels)
   x = jnp.ones((1, 4), jnp.int32)
@@ -195,6 +198,8 @@ def main(argv=None):
   ap.add_argument("--workload", default="cpu", choices=tuple(WORKLOAD_SETS),
                   help="batch sizes: cpu (the CPU targets'), gpu (batch 128), dry")
   ap.add_argument("--peak_n", type=int, default=2048, help="matmul peak's n (n^3 dot)")
+  ap.add_argument("--bandwidth_mb", type=int, default=256,
+                  help="size of the array the read bandwidth is measured on")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "decode.json"))
   args = ap.parse_args(argv)
@@ -240,7 +245,7 @@ def main(argv=None):
 
   # The machine's peaks, measured after the decode runs so they don't disturb them.
   peak = matmul_peak(args.dtype, n=args.peak_n)
-  bandwidth = read_bandwidth()
+  bandwidth = read_bandwidth(args.bandwidth_mb)
   for r in rows:
     if "cached" in r:
       beams = getattr(STRATEGIES[r["strategy"]], "size", 1)

@@ -67,7 +67,10 @@ WORKLOADS = {"small": dict(vocab_size=8000, batch=32, length=64),
 GPU_WORKLOADS = {"small": dict(vocab_size=8000, batch=128, length=256, min_len=188),
                  "base": dict(vocab_size=32000, batch=128, length=256, min_len=188),
                  "big": dict(vocab_size=32000, batch=128, length=256, min_len=188)}
-DRY_WORKLOADS = {"tiny": dict(vocab_size=64, batch=2, length=16, min_len=12)}
+# `tiny` made smaller still (model fields in "model"): seconds of compiling on a CPU.
+DRY_WORKLOADS = {"tiny": dict(vocab_size=64, batch=2, length=16, min_len=12,
+                              model=dict(d_model=32, num_heads=2, d_ff=64,
+                                         num_encoder_layers=1, num_decoder_layers=1))}
 WORKLOAD_SETS = {"cpu": WORKLOADS, "gpu": GPU_WORKLOADS, "dry": DRY_WORKLOADS}
 # The project's speed targets, train tokens/s (docs/performance.md, "The targets").
 TARGETS = {("small", "float32"): 2800, ("small", "bfloat16"): 5000,
@@ -181,7 +184,7 @@ def workload_config(preset: str, dtype: str, package: str = "seq2seq", kernels: 
       dtype=dtype, dropout_rate=0.1, share_embeddings=True, tie_output=True,
       # Also on the FFN's hidden units (not the paper's, nor our default): the workload of
       # every earlier run, and what the peer's nn.Transformer does.
-      ffn_dropout_rate=0.1)
+      ffn_dropout_rate=0.1, **w.get("model", {}))
   if kernels:
     model = model.replace(kernels=kernels)
   return Config(model=model, train=TrainConfig(batch_size=w["batch"], seq_len=w["length"],
