@@ -100,7 +100,7 @@ def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run
     import torch  # noqa: F401
   except ImportError:
     assert _step(t, "torch_tiny")["skipped"] == "torch is not installed"
-    assert _step(d, "marian")["skipped"].endswith("is not installed")
+    assert _step(d, "marian_bfloat16")["skipped"].endswith("is not installed")
     assert t["status"] == d["status"] == "partial"
   else:
     assert _step(t, "torch_tiny")["returncode"] == 0
@@ -259,3 +259,14 @@ def test_every_device_command_parses_with_its_scripts_own_flags(monkeypatch, tmp
       assert ns.get("workload", "gpu") == "gpu" and ns.get("device", "cuda") == "cuda", step
   assert seen == {"bench/bench_train.py", "bench/bench_peers_torch.py",
                   "bench/bench_decode.py", "bench/gpu/checks.py", "train.py", "decode.py"}
+
+
+def test_cudnn_attention_is_counted_in_compiled_hlo_text():
+  import checks
+  text = ('%a = custom-call(x), custom_call_target="__cudnn$fmhaScaleBiasSoftmax"\n'
+          '%b = custom-call(y), custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"\n'
+          '%c = custom-call(z), custom_call_target="__cublas$gemm"\n'
+          '%d = custom-call(x), custom_call_target="__cudnn$fmhaScaleBiasSoftmax"\n')
+  assert checks.fmha_calls(text) == {"__cudnn$fmhaScaleBiasSoftmax": 2,
+                                     "__cudnn$fmhaScaleBiasSoftmaxBackward": 1}
+  assert checks.fmha_calls(text.replace("fmha", "gemm")) == {}

@@ -5,8 +5,9 @@
         Which attention the compiled programs run: lowers and compiles a bf16 train step
         (`train_lib.Trainer.step`) and the cached decode loop (greedy and beam 4) of the
         preset with the default kernels ("auto": `accelerator` on a GPU), and counts the
-        cuDNN fused-attention custom calls (`__cudnn$fmha...`) in each compiled HLO,
-        with kernels/accelerator.py's verdict for every form of attention it traced.
+        cuDNN fused-attention custom calls (`__cudnn$fmha...`) in each compiled HLO (and
+        every custom call's target, should XLA name them otherwise), with
+        kernels/accelerator.py's verdict for every form of attention it traced.
     python bench/gpu/checks.py checkpoints WORKDIR
         Every checkpoint of WORKDIR restored (`checkpoint.load_workdir`, which checks each
         array's checksum): its step and a SHA-256 of its parameters, or the error.
@@ -24,14 +25,25 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FMHA = re.compile(r"__cudnn\$fmha\w*")
+CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _count(names) -> dict:
+  found = {}
+  for name in names:
+    found[name] = found.get(name, 0) + 1
+  return found
 
 
 def fmha_calls(hlo_text: str) -> dict:
   """{custom-call target: count} of cuDNN's fused attention in compiled HLO text."""
-  found = {}
-  for name in FMHA.findall(hlo_text):
-    found[name] = found.get(name, 0) + 1
-  return found
+  return _count(FMHA.findall(hlo_text))
+
+
+def _program(compiled, seconds: float) -> dict:
+  text = compiled.as_text()
+  return dict(fmha=fmha_calls(text), custom_calls=_count(CUSTOM_CALL.findall(text)),
+              compile_s=seconds)
 
 
 def attention(preset: str, batch: int, length: int, workload: str,
@@ -51,7 +63,7 @@ def attention(preset: str, batch: int, length: int, workload: str,
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
   t = time.perf_counter()
   hlo = trainer.step.lower(trainer.abstract_state, {"src": tokens, "tgt": tokens}).compile()
-  out["train_step"] = dict(fmha=fmha_calls(hlo.as_text()), compile_s=time.perf_counter() - t)
+  out["train_step"] = _program(hlo, time.perf_counter() - t)
 
   model = cfg.model.replace(dropout_rate=0.0)
   x = jnp.ones((1, 4), jnp.int32)
@@ -64,7 +76,7 @@ def attention(preset: str, batch: int, length: int, workload: str,
         params, src, jax.random.key(0), cfg=model, strategy=strategy, max_len=length,
         per_row_limit=False, bos_id=1, eos_id=2, pad_id=0, min_len=0, full_recompute=False,
         return_logits=False).compile()
-    out[name] = dict(fmha=fmha_calls(hlo.as_text()), compile_s=time.perf_counter() - t)
+    out[name] = _program(hlo, time.perf_counter() - t)
   out["verdicts"] = accelerator.verdicts()
   out["cudnn_in_train_step"] = bool(out["train_step"]["fmha"])
   out["cudnn_in_decode"] = any(bool(out[f"decode_{s}"]["fmha"]) for s in strategies)

@@ -1,8 +1,8 @@
 """The project on one GPU: correctness, training and decoding speed, a real run, and an
 out-of-memory run, each stage ending in a JSON file, in one command.
 
-    bench/gpu/run.sh correctness,train_speed --deadline_s 450     # first device call
-    bench/gpu/run.sh decode_speed,bible,oom --deadline_s 450      # second device call
+    bench/gpu/run.sh correctness,train_speed --deadline_s 350     # first device call
+    bench/gpu/run.sh bible,oom,decode_speed --deadline_s 350      # second device call
     bench/gpu/run.sh all --dry_run          # every stage, tiny, on a CPU: catches typos
 
 Writes to --out (default $OUT, else bench/results/gpu):
@@ -340,7 +340,7 @@ def correctness(args, work: Path) -> tuple[list[Step], Callable]:
   py = sys.executable
   pytest_env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
   steps = []
-  for name, sel, workers in (("kernel_and_decoding_tests", KERNEL_TESTS, 8),
+  for name, sel, workers in (("kernel_and_decoding_tests", KERNEL_TESTS, 12),
                              ("checkpoint_tests", CHECKPOINT_TESTS, 4)):
     junit = work / f"{name}.xml"
     if args.dry_run:   # collect only: the selection exists and imports
@@ -397,9 +397,9 @@ def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
     torch_kw = ["--device", "cpu", "--workload", "dry", "--steps", "1", "--threads", "1",
                 "--peak_n", "128"]
   else:
-    presets, jax_kw = ["small", "base", "big"], ["--workload", "gpu", "--steps", "10",
-                                                 "--warmup", "3", "--peak_n", "8192"]
-    torch_kw = ["--device", "cuda", "--workload", "gpu", "--steps", "10", "--peak_n", "8192"]
+    presets, jax_kw = ["small", "base", "big"], ["--workload", "gpu", "--steps", "6",
+                                                 "--warmup", "2", "--peak_n", "8192"]
+    torch_kw = ["--device", "cuda", "--workload", "gpu", "--steps", "6", "--peak_n", "8192"]
   skip = _torch_skip()
   for preset in presets:
     steps.append(Step(f"jax_{preset}", [py, "bench/bench_train.py", "--presets", preset,
@@ -461,19 +461,21 @@ def decode_speed(args, work: Path) -> tuple[list[Step], Callable]:
     torch_kw = ["--device", "cpu", "--workload", "dry", "--presets", "tiny", "--steps", "1",
                 "--threads", "1", "--peak_n", "128"]
   else:
-    jax_kw = ["--workload", "gpu", "--models", "base", "--repeats", "5", "--peak_n", "8192"]
+    jax_kw = ["--workload", "gpu", "--models", "base", "--repeats", "3", "--peak_n", "8192"]
     torch_kw = ["--device", "cuda", "--workload", "gpu", "--presets", "base", "--steps", "3",
                 "--peak_n", "8192"]
   steps = [
       Step("jax", [py, "bench/bench_decode.py", "--modes", "cached", "--strategies",
                    "greedy,beam4", "--dtype", "bfloat16", *jax_kw, "--out",
                    str(work / "decode_jax.json")], 200,
-           parse=lambda t, rc: _json_rows(work / "decode_jax.json")),
-      Step("marian", [py, "bench/bench_peers_torch.py", "--modes", "decode_cached",
-                      "--dtypes", "bfloat16,float16", "--strategies", "greedy,beam4",
-                      *torch_kw, "--out", str(work / "decode_marian.json")], 200,
-           skip=_torch_skip(need_transformers=True),
-           parse=lambda t, rc: _json_rows(work / "decode_marian.json"))]
+           parse=lambda t, rc: _json_rows(work / "decode_jax.json"))]
+  for dtype in ("bfloat16", "float16"):   # one step each: a cut-off keeps the first
+    path = work / f"decode_marian_{dtype}.json"
+    steps.append(Step(f"marian_{dtype}", [py, "bench/bench_peers_torch.py", "--modes",
+                                          "decode_cached", "--dtypes", dtype, "--strategies",
+                                          "greedy,beam4", *torch_kw, "--out", str(path)], 150,
+                      skip=_torch_skip(need_transformers=True),
+                      parse=(lambda p: lambda t, rc: _json_rows(p))(path)))
 
   def summarize(done):
     s = by_name(done)
@@ -485,7 +487,7 @@ def decode_speed(args, work: Path) -> tuple[list[Step], Callable]:
                                          target=r.get("target_tokens_per_s"),
                                          limit=(c.get("roofline") or {}).get(
                                              "limit_tokens_per_s"))
-    for r in (s.get("marian") or {}).get("rows", []):
+    for r in [r for k, v in s.items() if k.startswith("marian_") for r in v.get("rows", [])]:
       if not r.get("failed"):
         out[f"marian/{r['strategy']}/{r['dtype']}"] = dict(
             tokens_per_s=r["tokens_per_s"], first_call_s=r["first_call_s"])

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's GPU check in one command (bench/gpu/run.py says what each stage does):
 #
-#   bench/gpu/run.sh correctness,train_speed --deadline_s 450
-#   bench/gpu/run.sh decode_speed,bible,oom --deadline_s 450
+#   bench/gpu/run.sh correctness,train_speed --deadline_s 350
+#   bench/gpu/run.sh bible,oom,decode_speed --deadline_s 350
 #   bench/gpu/run.sh all --dry_run            # on a CPU: every stage, tiny
 #
 # Results go to $OUT (else bench/results/gpu): run.json, one JSON per stage, log.txt.
