@@ -96,6 +96,9 @@ def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run
   jax_rows = _step(d, "jax")["rows"]
   assert [r["strategy"] for r in jax_rows] == ["greedy", "beam4"]
   assert all(r["cached"]["tokens_per_s"] > 0 for r in jax_rows)
+  assert d["summary"]["attention"] == [] and d["summary"]["jax/beam4"]["tokens_per_s"] > 0
+  xla = _step(d, "jax_xla_attention")
+  assert xla["skipped"] and xla["argv"][:-1] == _step(d, "jax")["argv"][:-1]
   try:
     import torch  # noqa: F401
   except ImportError:

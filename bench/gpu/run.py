@@ -476,17 +476,26 @@ def decode_speed(args, work: Path) -> tuple[list[Step], Callable]:
                                           "greedy,beam4", *torch_kw, "--out", str(path)], 150,
                       skip=_torch_skip(need_transformers=True),
                       parse=(lambda p: lambda t, rc: _json_rows(p))(path)))
+  # The same loops with XLA's attention only: what cuDNN's (where it was chosen) brings.
+  steps.append(Step("jax_xla_attention", [*steps[0].argv[:-1], str(work / "decode_xla.json")],
+                    200, env={"SEQ2SEQ_ATTENTION": "xla"},
+                    skip="the jax step's command again" if args.dry_run else "",
+                    parse=lambda t, rc: _json_rows(work / "decode_xla.json")))
 
   def summarize(done):
     s = by_name(done)
     out = {}
-    for r in (s.get("jax") or {}).get("rows", []):
+    jax_rows = [(name, r) for name in ("jax", "jax_xla_attention")
+                for r in (s.get(name) or {}).get("rows", [])]
+    for name, r in jax_rows:
       c = r.get("cached") or {}
-      out[f"jax/{r['strategy']}"] = dict(tokens_per_s=c.get("tokens_per_s"),
-                                         compile_s=c.get("compile_s"), run_s=c.get("run_s"),
-                                         target=r.get("target_tokens_per_s"),
-                                         limit=(c.get("roofline") or {}).get(
-                                             "limit_tokens_per_s"))
+      out[f"{name}/{r['strategy']}"] = dict(tokens_per_s=c.get("tokens_per_s"),
+                                            compile_s=c.get("compile_s"), run_s=c.get("run_s"),
+                                            target=r.get("target_tokens_per_s"),
+                                            limit=(c.get("roofline") or {}).get(
+                                                "limit_tokens_per_s"))
+    jax_meta = (s.get("jax") or {}).get("meta") or {}
+    out["attention"] = jax_meta.get("attention")
     for r in [r for k, v in s.items() if k.startswith("marian_") for r in v.get("rows", [])]:
       if not r.get("failed"):
         out[f"marian/{r['strategy']}/{r['dtype']}"] = dict(
