@@ -1,7 +1,8 @@
 """bench/gpu/run.sh, the one command a GPU machine runs, dry-run on this CPU: every stage
-on tiny models, so that the minutes on a GPU are never spent on a typo. Then the parts a
-dry run cannot reach: the real pytest results (JUnit XML), train.py's and decode.py's
-closing lines, which carried wheels get installed, the deadline and a step's time limit."""
+on tiny models, so that the minutes on a GPU are never spent on a typo (slow: it trains,
+decodes and benchmarks in subprocesses). Then the parts a dry run cannot reach: the real
+commands' flags, the real pytest results (JUnit XML), train.py's and decode.py's closing
+lines, which carried wheels get installed, the deadline, a step's time limit, a SIGTERM."""
 import json
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def _step(stage: dict, name: str) -> dict:
   return step
 
 
+@pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_leaves_what_a_device_machine_sends_back(dry_run):
   """At most 8 plain files, no folder: run.json, log.txt and one JSON per stage; run.json
   names the machine and every stage."""
@@ -75,6 +77,7 @@ def test_the_dry_run_leaves_what_a_device_machine_sends_back(dry_run):
   assert "oom: " in p.stdout.splitlines()[-1]   # the closing table is the output's end
 
 
+@pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_collects_the_real_test_selections_and_reads_the_compiled_hlo(dry_run):
   _, out, _ = dry_run
   c = _stage(out, "correctness")
@@ -87,6 +90,7 @@ def test_the_dry_run_collects_the_real_test_selections_and_reads_the_compiled_hl
   assert c["summary"]["cudnn_in_train_step"] is False and hlo["verdicts"] == []
 
 
+@pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run):
   _, out, _ = dry_run
   t, d = _stage(out, "train_speed"), _stage(out, "decode_speed")
@@ -109,6 +113,7 @@ def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run
     assert _step(t, "torch_tiny")["returncode"] == 0
 
 
+@pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_trains_decodes_and_resumes_with_another_batch(dry_run):
   """bible: train.py --config bible_gpu (shrunk) and decode.py beam 4 with BLEU; oom: the
   resume's exit code and last line, and every checkpoint loading alike before and after."""
@@ -196,6 +201,18 @@ def test_a_step_past_its_limit_is_killed_and_what_it_printed_is_kept(tmp_path):
   assert r["timed_out"] and r["returncode"] != 0 and time.monotonic() - t < 10
   assert r["tail"] == ["started\n"]
   assert "--- sleepy: exit" in (tmp_path / "log.txt").read_text()
+
+
+def test_sigterm_ends_the_running_step_and_says_so_in_run_json(tmp_path):
+  import signal
+  runner = gpu_run.Runner(tmp_path, tmp_path, 60.0, {}, dry_run=True)
+  runner.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 preexec_fn=__import__("os").setpgrp)
+  with pytest.raises(SystemExit) as e:
+    runner.stop(signal.SIGTERM, None)
+  assert e.value.code == 128 + signal.SIGTERM
+  assert runner.proc.wait(timeout=10) == -signal.SIGKILL
+  assert json.loads((tmp_path / "run.json").read_text())["stopped_by_signal"] == signal.SIGTERM
 
 
 def test_no_time_left_skips_every_step_and_a_bad_stage_is_one_line(tmp_path, capsys):

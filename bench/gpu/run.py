@@ -195,6 +195,15 @@ class Runner:
     self.log_path = out / "log.txt"
     self.run = dict(started=datetime.datetime.now().isoformat(timespec="seconds"),
                     dry_run=dry_run, deadline_s=deadline_s, stages={})
+    self.proc = None   # the step running now
+
+  def stop(self, signum, frame) -> None:
+    """SIGTERM/SIGINT: the running step's process group goes too; run.json says so."""
+    if self.proc is not None and self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.run["stopped_by_signal"] = signum
+    self.write("run.json", self.run)
+    sys.exit(128 + signum)
 
   def log(self, text: str) -> None:
     with open(self.log_path, "a") as f:
@@ -225,9 +234,12 @@ class Runner:
     env = dict(self.env, **step.env)
     t = time.monotonic()
     out_f = open(step.stdout_to, "w") if step.stdout_to else None
-    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, text=True, start_new_session=True,
+    # Its own process group (so that a time limit ends pytest's workers and train.py's
+    # threads too), in this session: whatever ends this command's session ends it too.
+    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, text=True, preexec_fn=os.setpgrp,
                             stdout=out_f or subprocess.PIPE,
                             stderr=subprocess.STDOUT if out_f is None else subprocess.PIPE)
+    self.proc = proc
     lines, timed_out = [], False
     try:
       stream = proc.stdout if out_f is None else proc.stderr
@@ -721,6 +733,8 @@ def main(argv=None) -> int:
                                  "--xla_llvm_disable_expensive_passes=true"]).strip()
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # a resume's programs: cached
   runner = Runner(out, work, args.deadline_s, env, args.dry_run)
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, runner.stop)
   installed = install_wheels(Path(args.wheels), Path(args.site), runner.log)
   runner.say(f"wheels: {json.dumps(installed)}")
   paths = [str(ROOT)] + ([args.site] if installed.get("done") else [])
