@@ -355,6 +355,7 @@ def correctness(args, work: Path) -> tuple[list[Step], Callable]:
   for name, sel, workers in (("kernel_and_decoding_tests", KERNEL_TESTS, 12),
                              ("checkpoint_tests", CHECKPOINT_TESTS, 4)):
     junit = work / f"{name}.xml"
+    junit.unlink(missing_ok=True)   # an earlier call's on the same machine
     if args.dry_run:   # collect only: the selection exists and imports
       argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *sel]
       parse = _collected
@@ -564,12 +565,20 @@ def _metrics(workdir: Path) -> dict:
   return out
 
 
-def bible(args, work: Path) -> tuple[list[Step], Callable]:
+def _no_corpus(args) -> str:
+  """Why the Bible stages cannot run ("" if the corpus is there)."""
   data = Path(args.bible_dir)
   missing = [f"{data}/{s}.{l}" for s in ("train", "validation", "test") for l in ("en", "fr")
-             if not (ROOT / data / f"{s}.{l}").exists() and not (data / f"{s}.{l}").exists()]
-  skip = f"no corpus: {missing[0]} (python -m seq2seq.data.bible {data})" if missing else ""
+             if not (ROOT / data / f"{s}.{l}").exists()]
+  return f"no corpus: {missing[0]} (python -m seq2seq.data.bible {data})" if missing else ""
+
+
+def bible(args, work: Path) -> tuple[list[Step], Callable]:
+  data = Path(args.bible_dir)
+  skip = _no_corpus(args)
   hyp = work / "bible_test.hyp.fr"
+  if not skip:   # a new run each time (an earlier call's would only be evaluated again)
+    shutil.rmtree(work / "bible", ignore_errors=True)
   steps = [
       Step("train", _bible_train_argv(args, work), 330, skip=skip,
            parse=lambda t, rc: dict(_train_summary(t, rc), metrics=_metrics(work / "bible"))),
@@ -604,7 +613,7 @@ def oom(args, work: Path) -> tuple[list[Step], Callable]:
   workdir = work / "bible"
   ckpt_dir = workdir / "checkpoints"
   have_run = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
-  corpus = bible(args, work)[0][0].skip
+  corpus = _no_corpus(args)
   steps = []
   if not have_run:   # the bible stage did not run here: a short run to resume
     steps.append(Step("first_run", _bible_train_argv(
