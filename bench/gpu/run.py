@@ -235,7 +235,8 @@ class Runner:
     t = time.monotonic()
     out_f = open(step.stdout_to, "w") if step.stdout_to else None
     # Its own process group (so that a time limit ends pytest's workers and train.py's
-    # threads too), in this session: whatever ends this command's session ends it too.
+    # threads too), but not its own Unix session (no setsid): whatever ends this command's
+    # processes ends it too.
     proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, text=True, preexec_fn=os.setpgrp,
                             stdout=out_f or subprocess.PIPE,
                             stderr=subprocess.STDOUT if out_f is None else subprocess.PIPE)
