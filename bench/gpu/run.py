@@ -748,6 +748,9 @@ def main(argv=None) -> int:
   installed = install_wheels(Path(args.wheels), Path(args.site), runner.log)
   runner.say(f"wheels: {json.dumps(installed)}")
   paths = [str(ROOT)] + ([args.site] if installed.get("done") else [])
+  if installed.get("done"):   # so that run.json's versions see them too
+    sys.path.insert(0, args.site)
+    importlib.invalidate_caches()
   env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
   runner.run.update(stages_asked=stages, wheels=installed, machine=machine(runner,
                                                                            args.dry_run))
