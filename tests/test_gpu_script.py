@@ -290,3 +290,26 @@ def test_cudnn_attention_is_counted_in_compiled_hlo_text():
   assert checks.fmha_calls(text) == {"__cudnn$fmhaScaleBiasSoftmax": 2,
                                      "__cudnn$fmhaScaleBiasSoftmaxBackward": 1}
   assert checks.fmha_calls(text.replace("fmha", "gemm")) == {}
+
+
+def test_carried_wheels_are_installed_with_pip_into_the_site_folder(tmp_path, monkeypatch):
+  """The pip command the device runs (no index, no dependencies), on a small pure wheel
+  standing in for a missing package: it lands in --site, importable from there."""
+  wheels = tmp_path / "whl"
+  wheels.mkdir()
+  with zipfile.ZipFile(wheels / "s2s_fake_pkg-1.0-py3-none-any.whl", "w") as z:
+    z.writestr("s2s_fake_pkg/__init__.py", "VALUE = 42\n")
+    info = "s2s_fake_pkg-1.0.dist-info/"
+    z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: s2s-fake-pkg\nVersion: 1.0\n")
+    z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                               "Tag: py3-none-any\n")
+    z.writestr(info + "RECORD", f"s2s_fake_pkg/__init__.py,,\n{info}METADATA,,\n"
+                                f"{info}WHEEL,,\n{info}RECORD,,\n")
+  monkeypatch.setattr(gpu_run, "NEEDED_MODULES", ("s2s_fake_pkg",))
+  logged = []
+  site = tmp_path / "site"
+  r = gpu_run.install_wheels(wheels, site, logged.append)
+  assert r["done"] and r["installed"] == ["s2s_fake_pkg-1.0-py3-none-any.whl"], (r, logged)
+  assert (site / "s2s_fake_pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+  assert gpu_run.install_wheels(tmp_path / "none", site, logged.append) == dict(
+      done=False, reason=f"s2s_fake_pkg missing and no wheels in {tmp_path / 'none'}")
