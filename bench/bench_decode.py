@@ -2,12 +2,16 @@
 
     python bench/bench_decode.py                      # everything (several minutes on CPU)
     python bench/bench_decode.py --models small --modes cached
+    python bench/bench_decode.py --workload gpu --models base --modes cached \
+        --dtype bfloat16 --peak_n 8192           # on a GPU (bench/gpu/run.sh does this)
 
 Workloads (those of the project's speed targets): random params, random sources of 32
 tokens, 64 new tokens per row (EOS is forbidden before the 64th token via min_len, so every
 row decodes exactly 64 tokens); `small` = get_config('small', vocab_size=8000) at batch 16,
 `base` = get_config('base', vocab_size=32000) at batch 8. Strategies: greedy and beam
-search of 4 (alpha 0.6).
+search of 4 (alpha 0.6). `--workload gpu`: batch 128 (`small`, `base`, `big`), targets for
+`base` in bf16 of 68,000 (greedy) and 40,000 (beam 4) tokens/s; `--workload dry`: `tiny` at
+batch 2, for a dry run of the script.
 
 Modes: `cached` is `decoding.decode` as users call it (KV cache, cross-attention keys and
 values projected once), given weights already in the compute dtype
@@ -62,16 +66,26 @@ import numpy as np
 
 from seq2seq import decoding, search
 from seq2seq.config import get_config
+from seq2seq.kernels import accelerator
 from seq2seq.kernels import cpu as cpu_kernels
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import cpu_name, matmul_peak, timed_calls  # noqa: E402
+from bench_train import cpu_name, device_peak_bytes, matmul_peak, timed_calls  # noqa: E402
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=16), "base": dict(vocab_size=32000, batch=8)}
+GPU_WORKLOADS = {"small": dict(vocab_size=8000, batch=128),
+                 "base": dict(vocab_size=32000, batch=128),
+                 "big": dict(vocab_size=32000, batch=128)}
+DRY_WORKLOADS = {"tiny": dict(vocab_size=64, batch=2,
+                              model=dict(d_model=32, num_heads=2, d_ff=64,
+                                         num_encoder_layers=1, num_decoder_layers=1))}
+WORKLOAD_SETS = {"cpu": WORKLOADS, "gpu": GPU_WORKLOADS, "dry": DRY_WORKLOADS}
 STRATEGIES = {"greedy": search.Greedy(), "beam4": search.Beam(size=4, alpha=0.6)}
 # The project's speed targets, cached tokens/s (docs/performance.md, "The targets").
 TARGETS = {("small", "greedy"): 6000, ("small", "beam4"): 3000,
            ("base", "greedy"): 1100, ("base", "beam4"): 550}
+GPU_TARGETS = {("base", "greedy"): 68_000, ("base", "beam4"): 40_000}
+TARGET_SETS = {"cpu": TARGETS, "gpu": GPU_TARGETS, "dry": {}}
 TARGET_SPEEDUP = 8.0      # cached >= 8x recomputation, small greedy, 64 new tokens
 TARGET_COMPILE_S = 15.0   # the decode loop compiles in at most this
 BOS, EOS = 1, 2
@@ -87,15 +101,16 @@ def random_sources(vocab_size: int, rows: int, src_len: int) -> np.ndarray:
 
 
 def workload(model: str, dtype: str, src_len: int = 32, package: str = "seq2seq",
-             kernels: str = ""):
+             kernels: str = "", workload_set: str = "cpu"):
   """(config, random params cast as `decode` casts them, source batch [B, src_len]) of the
   workload `model`, built by `package` (this seq2seq, or another version: bench/ab.py)."""
   s2s = importlib.import_module(package)
   dec = importlib.import_module(package + ".decoding")
   model_cls = importlib.import_module(package + ".model").Transformer
-  w = WORKLOADS[model]
+  w = WORKLOAD_SETS[workload_set][model]
   cfg = s2s.get_config(model, vocab_size=w["vocab_size"]).replace(dropout_rate=0.0,
-                                                                  dtype=dtype)
+                                                                  dtype=dtype,
+                                                                  **w.get("model", {}))
   if kernels:
     cfg = cfg.replace(kernels=kernels)
   x = jnp.ones((1, 4), jnp.int32)
@@ -180,16 +195,27 @@ def main(argv=None):
                   help="the f32 loop's dots on CPU: auto = XLA's own dot emitter without "
                        "AVX-512, YNNPACK (XLA's default) with it; xla or ynnpack force one, to "
                        "A/B the f32 decode loop's XLA options (kernels/cpu.py) on a new machine")
+  ap.add_argument("--workload", default="cpu", choices=tuple(WORKLOAD_SETS),
+                  help="batch sizes: cpu (the CPU targets'), gpu (batch 128), dry")
+  ap.add_argument("--peak_n", type=int, default=2048, help="matmul peak's n (n^3 dot)")
+  ap.add_argument("--bandwidth_mb", type=int, default=256,
+                  help="size of the array the read bandwidth is measured on")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "decode.json"))
   args = ap.parse_args(argv)
+  workloads = WORKLOAD_SETS[args.workload]
+  for name in args.models.split(","):
+    if name not in workloads:
+      sys.exit(f"unknown model {name!r} for workload {args.workload}; choose from "
+               f"{', '.join(workloads)}")
   cpu_kernels.F32_DOTS = args.f32_dots
   jax.config.update("jax_enable_compilation_cache", False)   # compile times from scratch
 
   rows, cfgs = [], {}
   for name in args.models.split(","):
-    w = WORKLOADS[name]
-    cfg, params, src = workload(name, args.dtype, args.src_len, kernels=args.kernels)
+    w = workloads[name]
+    cfg, params, src = workload(name, args.dtype, args.src_len, kernels=args.kernels,
+                                workload_set=args.workload)
     src1 = random_sources(cfg.vocab_size, 1, args.latency_src_len)
     cfgs[name] = cfg
     for sname in args.strategies.split(","):
@@ -212,14 +238,14 @@ def main(argv=None):
               f"run {r['run_s']:.3f}s (cpu {r['cpu_s']:.3f}s)  compile {r['compile_s']:.1f}s",
               file=sys.stderr, flush=True)
       row = dict(model=name, strategy=sname, batch=w["batch"], vocab=cfg.vocab_size,
-                 target_tokens_per_s=TARGETS[(name, sname)], **result)
+                 target_tokens_per_s=TARGET_SETS[args.workload].get((name, sname)), **result)
       if "cached" in result and "full" in result:
         row["speedup"] = result["cached"]["tokens_per_s"] / result["full"]["tokens_per_s"]
       rows.append(row)
 
   # The machine's peaks, measured after the decode runs so they don't disturb them.
-  peak = matmul_peak(args.dtype)
-  bandwidth = read_bandwidth()
+  peak = matmul_peak(args.dtype, n=args.peak_n)
+  bandwidth = read_bandwidth(args.bandwidth_mb)
   for r in rows:
     if "cached" in r:
       beams = getattr(STRATEGIES[r["strategy"]], "size", 1)
@@ -251,7 +277,8 @@ def main(argv=None):
     c, f, lat = r.get("cached") or {}, r.get("full") or {}, r.get("latency") or {}
     rl = c.get("roofline") or {}
     print(f"{r['model']:6s} {r['strategy']:8s} {r['batch']:5d} "
-          f"{cell(c.get('tokens_per_s'), 12, '.0f')} {r['target_tokens_per_s']:7d} "
+          f"{cell(c.get('tokens_per_s'), 12, '.0f')} "
+          f"{cell(r['target_tokens_per_s'], 7, 'd')} "
           f"{cell(rl.get('model_flops_per_s', 0) / 1e9 if rl else None, 8, '.1f')} "
           f"{cell(pct(rl.get('fraction_of_peak')), 5, '.0f')}% "
           f"{cell(rl.get('bytes_per_s', 0) / 1e9 if rl else None, 5, '.1f')} "
@@ -273,7 +300,9 @@ def main(argv=None):
               cpu_count=os.cpu_count(), machine=platform.machine(), cpu=cpu_name(),
               load_avg=os.getloadavg(), args=vars(args),
               cpu_f32_decode_options=cpu_kernels.decode_compiler_options(get_config("small")),
-              matmul_peak=peak, read_bandwidth=bandwidth, cost_formula=COST_FORMULA)
+              matmul_peak=peak, read_bandwidth=bandwidth, cost_formula=COST_FORMULA,
+              backend=jax.default_backend(), attention=accelerator.verdicts(),
+              device_peak_bytes=device_peak_bytes())
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, results=rows), f, indent=2)
   print(f"wrote {args.out}")

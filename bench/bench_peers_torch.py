@@ -78,6 +78,14 @@ Modes:
           returned tokens, not the 4x hypotheses), median of `--steps` calls after 1
           warm-up. The random model tends to repeat one token, which costs the same as any
           other output. Each (strategy) runs in its own subprocess like the rest.
+On a GPU (`--device cuda`, with `--workload gpu`: bench_train.py's GPU_WORKLOADS, `big`
+too, and decode batch 128): tensors and models on the GPU, autocast('cuda'), each timed
+region closed by torch.cuda.synchronize(), the matmul peak at --peak_n (8192) on the GPU, and
+the GPU's peak allocated memory. Mode `train_compiled` is `train` with the model wrapped in
+torch.compile (default mode; its first step, compilation included, is reported apart).
+Dtype `float16` (decode_cached only) is model.to(torch.float16). `--workload dry` (`tiny`,
+a few tokens) runs every mode in seconds, for a dry run of the script.
+
 Dtypes: `float32`, and `bfloat16` = torch.autocast('cpu', dtype=torch.bfloat16) around
 the forward (f32 params and Adam state; logits cast to f32 for the loss). bfloat16 decode
 runs with torch.backends.mha.set_fastpath_enabled(False): the encoder's eval fast path
@@ -118,16 +126,24 @@ import time
 MODELS = {"small": dict(vocab_size=8000, d_model=256, num_heads=4, num_encoder_layers=3,
                         num_decoder_layers=3, d_ff=1024),
           "base": dict(vocab_size=32000, d_model=512, num_heads=8, num_encoder_layers=6,
-                       num_decoder_layers=6, d_ff=2048)}
+                       num_decoder_layers=6, d_ff=2048),
+          "big": dict(vocab_size=32000, d_model=1024, num_heads=16, num_encoder_layers=6,
+                      num_decoder_layers=6, d_ff=4096),
+          "tiny": dict(vocab_size=64, d_model=64, num_heads=4, num_encoder_layers=2,
+                       num_decoder_layers=2, d_ff=256)}
 TRAIN_WORKLOADS = {"small": dict(batch=32, length=64), "base": dict(batch=16, length=64)}
 DECODE_WORKLOADS = {"small": dict(batch=16), "base": dict(batch=8)}
+GPU_DECODE_WORKLOADS = {"small": dict(batch=128), "base": dict(batch=128),
+                        "big": dict(batch=128)}
+DRY_DECODE_WORKLOADS = {"tiny": dict(batch=2, src_len=8, new_tokens=4)}
 SRC_LEN, NEW_TOKENS = 32, 64
 DROPOUT, LABEL_SMOOTHING = 0.1, 0.1
 MAX_LEN = 256
 PAD, BOS, EOS = 0, 1, 2
 PEAK_N = 2048
 WARMUP_TRAIN, WARMUP_DECODE = 2, 1
-MODES = ("train", "decode", "decode_cached")
+MODES = ("train", "train_compiled", "decode", "decode_cached")
+DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = {"greedy": 1, "beam4": 4}  # decode_cached: name -> num_beams
 BEAM_LENGTH_PENALTY = 0.6
 MARIAN_MAX_POSITIONS = 256  # >= 1 + 64 decoder positions and 32 source positions
@@ -135,8 +151,41 @@ MARIAN_MAX_POSITIONS = 256  # >= 1 + 64 decoder positions and 32 source position
 # The batches, the FLOP count and the memory reading are bench_train.py's own (stdlib-only
 # at import time, so this script still runs from a venv without jax or seq2seq).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import FLOP_FORMULA, _vm_hwm_mb, random_batch  # noqa: E402
+from bench_train import FLOP_FORMULA, MIN_LEN, WORKLOAD_SETS, _vm_hwm_mb  # noqa: E402
+from bench_train import datasheet_bf16_peak, random_batch  # noqa: E402
 from bench_train import train_flops as _train_flops  # noqa: E402
+
+# Where the models and tensors live (--device): cpu, or cuda on a GPU.
+DEVICE = "cpu"
+
+
+def train_workloads(workload: str) -> dict:
+  """preset -> dict(batch, length[, min_len]) of `--workload`."""
+  return TRAIN_WORKLOADS if workload == "cpu" else WORKLOAD_SETS[workload]
+
+
+def decode_workload(workload: str, preset: str) -> dict:
+  """dict(batch, src_len, new_tokens) of `--workload` for `preset`."""
+  w = {"cpu": DECODE_WORKLOADS, "gpu": GPU_DECODE_WORKLOADS,
+       "dry": DRY_DECODE_WORKLOADS}[workload][preset]
+  return dict(dict(src_len=SRC_LEN, new_tokens=NEW_TOKENS), **w)
+
+
+def _sync():
+  """Waits for the GPU's queued work (nothing on a CPU)."""
+  if DEVICE == "cuda":
+    import torch
+    torch.cuda.synchronize()
+
+
+def _gpu_facts() -> dict:
+  """The GPU's name, its peak allocated memory and its datasheet bf16 peak (cuda only)."""
+  if DEVICE != "cuda":
+    return {}
+  import torch
+  name = torch.cuda.get_device_name()
+  return dict(device=name, device_peak_bytes=torch.cuda.max_memory_allocated(),
+              datasheet_bf16_flops_per_s=datasheet_bf16_peak(name))
 
 
 def _print_failed(r: dict) -> bool:
@@ -211,8 +260,8 @@ def _build_model(preset: str):
 def _autocast(dtype: str):
   import contextlib
   import torch
-  if dtype == "bfloat16":
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+  if dtype in ("bfloat16", "float16"):
+    return torch.autocast(DEVICE, dtype=getattr(torch, dtype))
   return contextlib.nullcontext()
 
 
@@ -220,36 +269,41 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
   """FLOP/s of an n^3 torch matmul in `dtype`, best of `repeats` after 2 warm-up calls."""
   import torch
   g = torch.Generator().manual_seed(0)
-  tdt = torch.float32 if dtype == "float32" else torch.bfloat16
-  a = torch.randn(n, n, generator=g).to(tdt)
-  b = torch.randn(n, n, generator=g).to(tdt)
+  tdt = getattr(torch, dtype)
+  a = torch.randn(n, n, generator=g).to(device=DEVICE, dtype=tdt)
+  b = torch.randn(n, n, generator=g).to(device=DEVICE, dtype=tdt)
   with torch.inference_mode():
     a @ b
     a @ b
+    _sync()
     times = []
     for _ in range(repeats):
       t = time.perf_counter()
       a @ b
+      _sync()
       times.append(time.perf_counter() - t)
   best = min(times)
   return dict(n=n, dtype=dtype, best_s=best, flops_per_s=2.0 * n ** 3 / best, times_s=times)
 
 
-def run_train(preset: str, dtype: str, steps: int) -> dict:
+def run_train(preset: str, dtype: str, steps: int, workload: str = "cpu",
+              compiled: bool = False, peak_n: int = PEAK_N) -> dict:
   import numpy as np
   import torch
   import torch.nn.functional as F
 
   cfg, model = _build_model(preset)
-  w = TRAIN_WORKLOADS[preset]
-  model.train()
+  w = train_workloads(workload)[preset]
+  model.to(DEVICE).train()
   opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+  forward = torch.compile(model) if compiled else model
   rng = np.random.default_rng(0)
-  local = [random_batch(rng, w["batch"], w["length"], cfg["vocab_size"]) for _ in range(4)]
+  local = [random_batch(rng, w["batch"], w["length"], cfg["vocab_size"],
+                        w.get("min_len", MIN_LEN)) for _ in range(4)]
   batches = []
   for b in local:
-    src = torch.from_numpy(b["src"]).long()
-    tgt = torch.from_numpy(b["tgt"]).long()
+    src = torch.from_numpy(b["src"]).long().to(DEVICE)
+    tgt = torch.from_numpy(b["tgt"]).long().to(DEVICE)
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], 1)
     batches.append((src, tgt_in, tgt))
   tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
@@ -260,7 +314,7 @@ def run_train(preset: str, dtype: str, steps: int) -> dict:
     t, c = time.perf_counter(), time.process_time()
     opt.zero_grad(set_to_none=True)
     with _autocast(dtype):
-      logits = model(src, tgt_in)
+      logits = forward(src, tgt_in)
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                            ignore_index=PAD, label_smoothing=LABEL_SMOOTHING)
     loss.backward()
@@ -276,10 +330,14 @@ def run_train(preset: str, dtype: str, steps: int) -> dict:
   idx = [(WARMUP_TRAIN + i) % len(batches) for i in range(steps)]
   tok_per_step = statistics.mean(tgt_tokens[i] for i in idx)
   peak_rss_mb = _vm_hwm_mb()
-  peak = matmul_peak(dtype)
+  gpu = _gpu_facts()
+  peak = matmul_peak(dtype, n=peak_n)
   flops = train_flops(cfg, w["batch"], w["length"], w["length"])
+  sheet = gpu.get("datasheet_bf16_flops_per_s")
   return dict(
-      mode="train", preset=preset, dtype=dtype, batch=w["batch"], length=w["length"],
+      **gpu, mfu_datasheet=flops / step_s / sheet if sheet else None, workload=workload,
+      mode="train_compiled" if compiled else "train", preset=preset, dtype=dtype,
+      batch=w["batch"], length=w["length"],
       vocab=cfg["vocab_size"], params=sum(p.numel() for p in model.parameters()),
       pad_fraction=pad_frac, target_tokens_per_step=tok_per_step, first_step_s=first_s,
       step_s=step_s, steps_s=[r[0] for r in runs], best_step_s=min(r[0] for r in runs),
@@ -290,29 +348,31 @@ def run_train(preset: str, dtype: str, steps: int) -> dict:
       final_loss=runs[-1][2])
 
 
-def run_decode(preset: str, dtype: str, steps: int) -> dict:
+def run_decode(preset: str, dtype: str, steps: int, workload: str = "cpu",
+               peak_n: int = PEAK_N) -> dict:
   import numpy as np
   import torch
 
   cfg, model = _build_model(preset)
-  w = DECODE_WORKLOADS[preset]
-  model.eval()
+  w = decode_workload(workload, preset)
+  src_len, new_tokens = w["src_len"], w["new_tokens"]
+  model.to(DEVICE).eval()
   rng = np.random.default_rng(0)
-  src_np = rng.integers(3, cfg["vocab_size"], (w["batch"], SRC_LEN)).astype(np.int32)
+  src_np = rng.integers(3, cfg["vocab_size"], (w["batch"], src_len)).astype(np.int32)
   src_np[:, -1] = EOS
-  src = torch.from_numpy(src_np).long()
+  src = torch.from_numpy(src_np).long().to(DEVICE)
   tr = model.transformer
   # The encoder's inference fast path (torch._transformer_encoder_layer_fwd) fails under
   # CPU bf16 autocast ("expected scalar type Float but found BFloat16", pytorch/pytorch
   # #132613); a user has to switch it off, so bfloat16 decode runs the regular path.
-  fastpath = dtype != "bfloat16"
+  fastpath = dtype == "float32"
   torch.backends.mha.set_fastpath_enabled(fastpath)
 
   def greedy():
     src_pad = src == PAD
     memory = tr.encoder(model.embed_positions(src), src_key_padding_mask=src_pad)
-    ys = torch.full((src.shape[0], 1), BOS, dtype=torch.long)
-    for _ in range(NEW_TOKENS):
+    ys = torch.full((src.shape[0], 1), BOS, dtype=torch.long, device=DEVICE)
+    for _ in range(new_tokens):
       t = ys.shape[1]
       h = tr.decoder(model.embed_positions(ys), memory, tgt_mask=model.causal[:t, :t],
                      memory_key_padding_mask=src_pad, tgt_is_causal=True)
@@ -324,24 +384,27 @@ def run_decode(preset: str, dtype: str, steps: int) -> dict:
     t, c = time.perf_counter(), time.process_time()
     with torch.inference_mode(), _autocast(dtype):
       out = greedy()
+    _sync()
     return time.perf_counter() - t, time.process_time() - c, out
 
   first_s, _, out = call()
-  assert out.shape == (w["batch"], NEW_TOKENS), out.shape
+  assert out.shape == (w["batch"], new_tokens), out.shape
   for _ in range(1, WARMUP_DECODE):
     call()
   runs = [call()[:2] for _ in range(steps)]
   run_s = statistics.median(r[0] for r in runs)
   peak_rss_mb = _vm_hwm_mb()
-  peak = matmul_peak(dtype)
+  gpu = _gpu_facts()
+  peak = matmul_peak(dtype, n=peak_n)
   return dict(
-      mode="decode", preset=preset, dtype=dtype, batch=w["batch"], src_len=SRC_LEN,
-      new_tokens=NEW_TOKENS, vocab=cfg["vocab_size"], strategy="greedy", kv_cache=False,
+      **gpu, workload=workload,
+      mode="decode", preset=preset, dtype=dtype, batch=w["batch"], src_len=src_len,
+      new_tokens=new_tokens, vocab=cfg["vocab_size"], strategy="greedy", kv_cache=False,
       mha_fastpath=fastpath,
       first_call_s=first_s, run_s=run_s, runs_s=[r[0] for r in runs],
       best_run_s=min(r[0] for r in runs), cpu_s=statistics.median(r[1] for r in runs),
       cpu_runs_s=[r[1] for r in runs],
-      tokens_per_s=w["batch"] * NEW_TOKENS / run_s,
+      tokens_per_s=w["batch"] * new_tokens / run_s,
       matmul_peak_flops_per_s=peak["flops_per_s"], matmul_peak=peak,
       peak_rss_mb=peak_rss_mb)
 
@@ -366,23 +429,26 @@ def _build_marian(preset: str):
   return cfg, model
 
 
-def run_decode_cached(preset: str, dtype: str, steps: int, strategy: str) -> dict:
+def run_decode_cached(preset: str, dtype: str, steps: int, strategy: str,
+                      workload: str = "cpu", peak_n: int = PEAK_N) -> dict:
   import numpy as np
   import torch
   import transformers
 
   cfg, model = _build_marian(preset)
-  if dtype == "bfloat16":
-    model = model.to(torch.bfloat16)
-  w = DECODE_WORKLOADS[preset]
+  if dtype in ("bfloat16", "float16"):
+    model = model.to(getattr(torch, dtype))
+  model = model.to(DEVICE)
+  w = decode_workload(workload, preset)
+  src_len, new_tokens = w["src_len"], w["new_tokens"]
   num_beams = STRATEGIES[strategy]
   rng = np.random.default_rng(0)
-  src_np = rng.integers(3, cfg["vocab_size"], (w["batch"], SRC_LEN)).astype(np.int32)
+  src_np = rng.integers(3, cfg["vocab_size"], (w["batch"], src_len)).astype(np.int32)
   src_np[:, -1] = EOS
-  src = torch.from_numpy(src_np).long()
+  src = torch.from_numpy(src_np).long().to(DEVICE)
   mask = torch.ones_like(src)
-  kw = dict(use_cache=True, do_sample=False, num_beams=num_beams, min_new_tokens=NEW_TOKENS,
-            max_new_tokens=NEW_TOKENS, early_stopping=False)
+  kw = dict(use_cache=True, do_sample=False, num_beams=num_beams, min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens, early_stopping=False)
   if num_beams > 1:
     kw["length_penalty"] = BEAM_LENGTH_PENALTY
 
@@ -390,10 +456,11 @@ def run_decode_cached(preset: str, dtype: str, steps: int, strategy: str) -> dic
     t, c = time.perf_counter(), time.process_time()
     with torch.inference_mode():
       out = model.generate(input_ids=src, attention_mask=mask, **kw)
+    _sync()
     return time.perf_counter() - t, time.process_time() - c, out
 
   first_s, _, out = call()
-  assert out.shape == (w["batch"], 1 + NEW_TOKENS), out.shape
+  assert out.shape == (w["batch"], 1 + new_tokens), out.shape
   assert bool((out[:, 0] == BOS).all()), out[:, 0]
   assert not bool((out[:, 1:] == EOS).any()), "a row stopped early"
   for _ in range(1, WARMUP_DECODE):
@@ -401,29 +468,32 @@ def run_decode_cached(preset: str, dtype: str, steps: int, strategy: str) -> dic
   runs = []
   for _ in range(steps):
     run_s, cpu_s, out = call()
-    assert out.shape == (w["batch"], 1 + NEW_TOKENS), out.shape
+    assert out.shape == (w["batch"], 1 + new_tokens), out.shape
     runs.append((run_s, cpu_s))
   run_s = statistics.median(r[0] for r in runs)
   peak_rss_mb = _vm_hwm_mb()
-  peak = matmul_peak(dtype)
+  gpu = _gpu_facts()
+  peak = matmul_peak(dtype, n=peak_n)
   return dict(
-      mode="decode_cached", preset=preset, dtype=dtype, batch=w["batch"], src_len=SRC_LEN,
-      new_tokens=NEW_TOKENS, vocab=cfg["vocab_size"], strategy=strategy, num_beams=num_beams,
+      **gpu, workload=workload,
+      mode="decode_cached", preset=preset, dtype=dtype, batch=w["batch"], src_len=src_len,
+      new_tokens=new_tokens, vocab=cfg["vocab_size"], strategy=strategy, num_beams=num_beams,
       length_penalty=kw.get("length_penalty"), kv_cache=True,
       peer="transformers.MarianMTModel (random init)", transformers=transformers.__version__,
       attn_implementation=model.config._attn_implementation,
-      bf16_method="model.to(torch.bfloat16)" if dtype == "bfloat16" else None,
+      bf16_method=f"model.to(torch.{dtype})" if dtype != "float32" else None,
       token_ids=dict(pad=PAD, eos=EOS, decoder_start=BOS),
       params=sum(p.numel() for p in model.parameters()),
       first_call_s=first_s, run_s=run_s, runs_s=[r[0] for r in runs],
       best_run_s=min(r[0] for r in runs), cpu_s=statistics.median(r[1] for r in runs),
       cpu_runs_s=[r[1] for r in runs],
-      tokens_per_s=w["batch"] * NEW_TOKENS / run_s,
+      tokens_per_s=w["batch"] * new_tokens / run_s,
       matmul_peak_flops_per_s=peak["flops_per_s"], matmul_peak=peak,
       peak_rss_mb=peak_rss_mb)
 
 
-def _child(spec: str, steps: int, threads: int) -> dict:
+def _child(spec: str, steps: int, threads: int, workload: str = "cpu",
+           peak_n: int = PEAK_N) -> dict:
   import warnings
   import torch
   warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
@@ -431,10 +501,12 @@ def _child(spec: str, steps: int, threads: int) -> dict:
   torch.manual_seed(0)
   preset, mode, dtype, *rest = spec.split(",")
   if mode == "decode_cached":
-    r = run_decode_cached(preset, dtype, steps, rest[0])
+    r = run_decode_cached(preset, dtype, steps, rest[0], workload, peak_n)
+  elif mode in ("train", "train_compiled"):
+    r = run_train(preset, dtype, steps, workload, mode == "train_compiled", peak_n)
   else:
-    r = (run_train if mode == "train" else run_decode)(preset, dtype, steps)
-  r.update(torch=torch.__version__, num_threads=torch.get_num_threads())
+    r = run_decode(preset, dtype, steps, workload, peak_n)
+  r.update(torch=torch.__version__, num_threads=torch.get_num_threads(), torch_device=DEVICE)
   return r
 
 
@@ -459,21 +531,41 @@ def main(argv=None):
                   help="torch.set_num_threads (default: all CPUs)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                 "results", "peers_torch.json"))
+  ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                  help="where models and tensors live (cuda: the first GPU)")
+  ap.add_argument("--workload", default="cpu", choices=("cpu", "gpu", "dry"),
+                  help="batch shapes: cpu (bench_train/bench_decode's), gpu, dry (tiny)")
+  ap.add_argument("--peak_n", type=int, default=PEAK_N, help="matmul peak's n (n^3)")
   ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  global DEVICE
+  DEVICE = args.device
 
   if args._child:  # preset,mode,dtype[,strategy]: measure and print one JSON line
-    print("RESULT " + json.dumps(_child(args._child, args.steps, args.threads)), flush=True)
+    print("RESULT " + json.dumps(_child(args._child, args.steps, args.threads, args.workload,
+                                        args.peak_n)), flush=True)
     return
 
   presets, modes, dtypes, strategies = (s.split(",") for s in (
       args.presets, args.modes, args.dtypes, args.strategies))
   for name, vals, ok in (("preset", presets, MODELS), ("mode", modes, MODES),
-                         ("dtype", dtypes, ("float32", "bfloat16")),
+                         ("dtype", dtypes, DTYPES),
                          ("strategy", strategies, STRATEGIES)):
     for v in vals:
       if v not in ok:
         sys.exit(f"unknown {name} {v!r}; choose from {', '.join(ok)}")
+  for preset in presets:
+    if not any(m.startswith("train") for m in modes):
+      break
+    if preset not in train_workloads(args.workload):
+      sys.exit(f"preset {preset!r} has no {args.workload} train workload; choose from "
+               f"{', '.join(train_workloads(args.workload))}")
+  for preset in presets:
+    if any(m.startswith("decode") for m in modes):
+      try:
+        decode_workload(args.workload, preset)
+      except KeyError:
+        sys.exit(f"preset {preset!r} has no {args.workload} decode workload")
   load_before = os.getloadavg()
   rows = []
   specs = [(preset, mode, dtype, strategy)
@@ -485,7 +577,9 @@ def main(argv=None):
     t = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--_child", spec,
-         "--steps", str(args.steps), "--threads", str(args.threads)], stdout=subprocess.PIPE, text=True)
+         "--steps", str(args.steps), "--threads", str(args.threads), "--device", args.device,
+         "--workload", args.workload, "--peak_n", str(args.peak_n)],
+        stdout=subprocess.PIPE, text=True)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
       print(f"  {preset} {label} {dtype}: FAILED (exit {proc.returncode})", file=sys.stderr)
@@ -497,30 +591,33 @@ def main(argv=None):
     r["wall_s"] = time.perf_counter() - t
     rows.append(r)
     extra = (f"step {r['step_s']:.3f}s (cpu {r['cpu_s_per_step']:.2f}s)  MFU "
-             f"{100 * r['mfu']:.1f}%" if mode == "train" else
+             f"{100 * r['mfu']:.1f}%" if mode.startswith("train") else
              f"call {r['run_s']:.3f}s (cpu {r['cpu_s']:.2f}s)")
     print(f"  {preset:5s} {label:6s} {dtype:8s} {r['tokens_per_s']:7.0f} tok/s  {extra}  "
           f"peak {r['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s  peak RSS "
           f"{r['peak_rss_mb']:.0f} MB  ({r['wall_s']:.0f}s)", file=sys.stderr, flush=True)
 
   import torch  # only for the header / metadata
+  first = next((r for r in rows if not r.get("failed") and "new_tokens" in r), {})
+  SRC_LEN, NEW_TOKENS = first.get("src_len", "?"), first.get("new_tokens", "?")  # noqa: N806
   ok = [r for r in rows if not r.get("failed")]
   print(f"\nPyTorch peer: torch {torch.__version__}, {platform.processor() or platform.machine()},"
         f" {os.cpu_count()} CPUs (set_num_threads({args.threads})), load average "
         f"{load_before[0]:.1f} before / {os.getloadavg()[0]:.1f} after")
-  train = [r for r in rows if r["mode"] == "train"]
+  train = [r for r in rows if r["mode"].startswith("train")]
   if train:
-    head = (f"{'preset':6s} {'dtype':8s} {'batch':>7s} {'tok/s':>7s} {'step s':>7s} "
-            f"{'GFLOP/s':>8s} {'peak GF/s':>9s} {'MFU':>6s} {'1st step s':>10s} "
+    head = (f"{'preset':6s} {'mode':14s} {'dtype':8s} {'batch':>7s} {'tok/s':>7s} "
+            f"{'step s':>7s} {'GFLOP/s':>8s} {'peak GF/s':>9s} {'MFU':>6s} {'1st step s':>10s} "
             f"{'peak RSS MB':>11s}")
     print(f"\nTrain step (nn.Transformer, Adam): target tokens/s (non-pad), median of "
           f"{args.steps} timed steps after {WARMUP_TRAIN} warm-up; bfloat16 = "
-          f"torch.autocast('cpu', bfloat16)\nMFU = model FLOP/s / {PEAK_N}^3 matmul peak of the "
+          f"torch.autocast('{args.device}', bfloat16); train_compiled: torch.compile(model)\n"
+          f"MFU = model FLOP/s / {args.peak_n}^3 matmul peak of the "
           f"same dtype, same process; FLOPs/step = {FLOP_FORMULA}\n{head}\n{'-' * len(head)}")
     for r in train:
       if _print_failed(r):
         continue
-      print(f"{r['preset']:6s} {r['dtype']:8s} {r['batch']:3d}x{r['length']:<3d} "
+      print(f"{r['preset']:6s} {r['mode']:14s} {r['dtype']:8s} {r['batch']:3d}x{r['length']:<3d} "
             f"{r['tokens_per_s']:7.0f} {r['step_s']:7.3f} {r['model_flops_per_s'] / 1e9:8.1f} "
             f"{r['matmul_peak_flops_per_s'] / 1e9:9.1f} {100 * r['mfu']:5.1f}% "
             f"{r['first_step_s']:10.2f} {r['peak_rss_mb']:11.0f}")
@@ -560,13 +657,15 @@ def main(argv=None):
             f"{r['first_call_s']:10.2f} {r['matmul_peak_flops_per_s'] / 1e9:9.1f} "
             f"{r['peak_rss_mb']:11.0f}")
   if ok and train:
-    pads = [r["pad_fraction"] for r in ok if r["mode"] == "train"]
+    pads = [r["pad_fraction"] for r in ok if r["mode"].startswith("train")]
     if pads:
       print(f"padding: {100 * statistics.mean(pads):.1f}% of target positions")
 
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               torch=torch.__version__, cpu_count=os.cpu_count(), machine=platform.machine(),
+              torch_device=args.device, workload=args.workload,
+              gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
               load_avg_before=load_before, load_avg_after=os.getloadavg(),
               args={k: v for k, v in vars(args).items() if k != "_child"},
               flop_formula=FLOP_FORMULA, decode="greedy, no KV cache (full prefix recompute)",

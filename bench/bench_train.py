@@ -2,6 +2,8 @@
 
     python bench/bench_train.py                       # small + base, float32 + bfloat16
     python bench/bench_train.py --presets small --dtypes float32 --steps 10
+    python bench/bench_train.py --workload gpu --presets small,base,big --dtypes bfloat16 \
+        --steps 10 --warmup 3 --peak_n 8192          # on a GPU (bench/gpu/run.sh does this)
 
 Workloads (those of the project's speed targets): `small` = get_config('small',
 vocab_size=8000) at batch 32 x 64; `base` = get_config('base', vocab_size=32000) at batch
@@ -9,6 +11,12 @@ vocab_size=8000) at batch 32 x 64; `base` = get_config('base', vocab_size=32000)
 (residual, embeddings and FFN hidden units), label smoothing 0.1, Adam
 (`seq2seq.train_lib.Trainer`, one device, pack=False). Batches are random tokens with a random length per row in [47, 64] (EOS last,
 then padding id 0): ~13% padding.
+
+`--workload gpu` (sized for one datacenter GPU): `small`, `base` and `big` (vocabulary 8,000,
+32,000, 32,000) at batch 128 x 256 (`big`: 64 x 256), row length uniform in [188, 256] (the
+same ~13% padding);
+its targets are target tokens/s in bf16 (base >= 500,000, big >= 250,000). `--workload dry`:
+`tiny` at batch 2 x 16, for a dry run of the script (tests/test_gpu_script.py).
 
 Modes: `float32` and `bfloat16` (model dtype="bfloat16": matmul inputs bf16, f32
 accumulation, f32 params and optimizer state).
@@ -19,9 +27,12 @@ Every (preset, dtype) runs in a fresh subprocess, which
   2. runs `--warmup` more steps, then times `--steps` steps (median; tokens/s = non-pad
      target tokens per step / median step time),
   3. reads its peak resident memory (VmHWM of /proc/self/status) before anything else,
-  4. measures the matmul peak of its dtype: a jitted 2048x2048 @ 2048x2048 dot, f32 x f32
-     -> f32, or bf16 x bf16 -> f32 (preferred_element_type=float32), best of several calls
-     after warm-up, in the same process right after the train steps.
+  4. measures the matmul peak of its dtype: a jitted 2048x2048 @ 2048x2048 dot (--peak_n;
+     8192 on a GPU), f32 x f32 -> f32, or bf16 x bf16 -> f32 (preferred_element_type=
+     float32), best of several calls after warm-up, in the same process right after the
+     train steps.
+On a GPU it also reads the device's peak memory in use, and gives MFU against the card's
+dense bf16 datasheet peak (DATASHEET_BF16) beside the measured matmul peak.
 
 MFU = model FLOP/s / matmul peak of the same dtype, and limit = the tokens/s at MFU 100%
 (the ceiling the measured peak puts on this step). Model FLOPs are counted analytically
@@ -54,9 +65,25 @@ import time
 
 WORKLOADS = {"small": dict(vocab_size=8000, batch=32, length=64),
              "base": dict(vocab_size=32000, batch=16, length=64)}
+GPU_WORKLOADS = {"small": dict(vocab_size=8000, batch=128, length=256, min_len=188),
+                 "base": dict(vocab_size=32000, batch=128, length=256, min_len=188),
+                 # big at half the rows: its saved activations at 128 x 256 would near
+                 # 80 GB, and 16k tokens a step already fill one GPU
+                 "big": dict(vocab_size=32000, batch=64, length=256, min_len=188)}
+# `tiny` made smaller still (model fields in "model"): seconds of compiling on a CPU.
+DRY_WORKLOADS = {"tiny": dict(vocab_size=64, batch=2, length=16, min_len=12,
+                              model=dict(d_model=32, num_heads=2, d_ff=64,
+                                         num_encoder_layers=1, num_decoder_layers=1))}
+WORKLOAD_SETS = {"cpu": WORKLOADS, "gpu": GPU_WORKLOADS, "dry": DRY_WORKLOADS}
 # The project's speed targets, train tokens/s (docs/performance.md, "The targets").
 TARGETS = {("small", "float32"): 2800, ("small", "bfloat16"): 5000,
            ("base", "float32"): 480, ("base", "bfloat16"): 1000}
+GPU_TARGETS = {("base", "bfloat16"): 500_000, ("big", "bfloat16"): 250_000}
+TARGET_SETS = {"cpu": TARGETS, "gpu": GPU_TARGETS, "dry": {}}
+# Dense bf16 tensor-core peaks of the vendor's datasheets, FLOP/s, by device_kind substring
+# (first match): the H100 SXM's 989.4 TFLOP/s is also the H200's.
+DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12),
+                  ("H200", 989.4e12), ("A100", 312e12))
 TARGET_BASE_COMPILE_S = 30.0
 PAD, BOS, EOS = 0, 1, 2
 MIN_LEN = 47
@@ -77,11 +104,16 @@ def train_flops(cfg, batch: int, src_len: int, tgt_len: int) -> float:
   return 3.0 * batch * (enc + dec + cross_kv + head)
 
 
-def random_batch(rng, batch: int, length: int, vocab: int):
+def datasheet_bf16_peak(device_kind: str) -> float | None:
+  """The dense bf16 datasheet peak of a GPU named `device_kind` (None if not listed)."""
+  return next((peak for name, peak in DATASHEET_BF16 if name in device_kind), None)
+
+
+def random_batch(rng, batch: int, length: int, vocab: int, min_len: int = MIN_LEN):
   import numpy as np
   out = {}
   for key in ("src", "tgt"):
-    lens = rng.integers(MIN_LEN, length + 1, batch)
+    lens = rng.integers(min_len, length + 1, batch)
     x = rng.integers(3, vocab, (batch, length)).astype(np.int32)
     pos = np.arange(length)[None, :]
     x[pos == (lens[:, None] - 1)] = EOS
@@ -142,48 +174,63 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
               times_s=times)
 
 
-def workload_config(preset: str, dtype: str, package: str = "seq2seq", kernels: str = ""):
+def workload_config(preset: str, dtype: str, package: str = "seq2seq", kernels: str = "",
+                    workload: str = "cpu"):
   """The run's Config: the preset at the workload's vocabulary, batch and length (built by
   `package`, the seq2seq package or another version of it: bench/ab.py), with
   model.kernels = `kernels` if given."""
   seq2seq = importlib.import_module(package)
   config = importlib.import_module(package + ".config")
   Config, TrainConfig = config.Config, config.TrainConfig
-  w = WORKLOADS[preset]
+  w = WORKLOAD_SETS[workload][preset]
   model = seq2seq.get_config(preset, vocab_size=w["vocab_size"]).replace(
       dtype=dtype, dropout_rate=0.1, share_embeddings=True, tie_output=True,
       # Also on the FFN's hidden units (not the paper's, nor our default): the workload of
       # every earlier run, and what the peer's nn.Transformer does.
-      ffn_dropout_rate=0.1)
+      ffn_dropout_rate=0.1, **w.get("model", {}))
   if kernels:
     model = model.replace(kernels=kernels)
   return Config(model=model, train=TrainConfig(batch_size=w["batch"], seq_len=w["length"],
                                                label_smoothing=0.1))
 
 
-def workload(preset: str, dtype: str, package: str = "seq2seq", kernels: str = ""):
+def workload(preset: str, dtype: str, package: str = "seq2seq", kernels: str = "",
+             workload: str = "cpu"):
   """(Trainer, initial state, 4 random batches as host arrays, the same as global batches)
   of the workload, built by `package` (see workload_config)."""
   import jax
   import numpy as np
-  w = WORKLOADS[preset]
+  w = WORKLOAD_SETS[workload][preset]
   trainer = importlib.import_module(package + ".train_lib").Trainer(
-      workload_config(preset, dtype, package, kernels), bos_id=BOS)
+      workload_config(preset, dtype, package, kernels, workload), bos_id=BOS)
   state = trainer.init(jax.random.key(0))
   jax.block_until_ready(state)
   rng = np.random.default_rng(0)
-  local = [random_batch(rng, w["batch"], w["length"], w["vocab_size"]) for _ in range(4)]
+  local = [random_batch(rng, w["batch"], w["length"], w["vocab_size"],
+                        w.get("min_len", MIN_LEN)) for _ in range(4)]
   return trainer, state, local, [trainer.global_batch(b) for b in local]
 
 
-def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "") -> dict:
+def device_peak_bytes() -> int | None:
+  """The default device's peak memory in use, where its backend reports it (GPU, TPU)."""
+  import jax
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:   # noqa: BLE001 - backends without memory statistics
+    return None
+  return stats.get("peak_bytes_in_use")
+
+
+def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "",
+            workload_set: str = "cpu", peak_n: int = PEAK_N) -> dict:
   """One (preset, dtype) measurement; meant to run in a fresh process."""
   import jax
-  from seq2seq.kernels import malloc
+  from seq2seq.kernels import accelerator, malloc
 
   rss_start = _vm_hwm_mb()
-  w = WORKLOADS[preset]
-  trainer, state, local, batches = workload(preset, dtype, kernels=kernels)
+  w = WORKLOAD_SETS[workload_set][preset]
+  trainer, state, local, batches = workload(preset, dtype, kernels=kernels,
+                                            workload=workload_set)
   model = trainer.cfg.model
   tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
   pad_frac = 1.0 - sum(tgt_tokens) / (len(local) * w["batch"] * w["length"])
@@ -206,17 +253,25 @@ def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "")
   idx = [(1 + warmup + i) % len(batches) for i in range(steps)]
   tok_per_step = statistics.mean(tgt_tokens[i] for i in idx)
   peak_rss_mb = _vm_hwm_mb()  # before the matmul-peak buffers exist
+  device_peak = device_peak_bytes()
 
-  peak = matmul_peak(dtype)
+  peak = matmul_peak(dtype, n=peak_n)
   flops = train_flops(model, w["batch"], w["length"], w["length"])
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  kind = jax.devices()[0].device_kind
+  sheet = datasheet_bf16_peak(kind) if jax.default_backend() == "gpu" else None
   return dict(
+      workload=workload_set, device=kind, kernels=trainer.cfg.model.kernels,
+      attention=accelerator.verdicts(), device_peak_bytes=device_peak,
+      datasheet_bf16_flops_per_s=sheet,
+      mfu_datasheet=flops / step_s / sheet if sheet else None,
       preset=preset, dtype=dtype, batch=w["batch"], length=w["length"],
       vocab=w["vocab_size"], params=int(n_params), pad_fraction=pad_frac,
       target_tokens_per_step=tok_per_step, first_step_s=first_s,
       compile_s=max(first_s - step_s, 0.0), step_s=step_s,
       steps_s=[r[0] for r in runs], cpu_s_per_step=cpu_s,
-      tokens_per_s=tok_per_step / step_s, target_tokens_per_s=TARGETS[(preset, dtype)],
+      tokens_per_s=tok_per_step / step_s,
+      target_tokens_per_s=TARGET_SETS[workload_set].get((preset, dtype)),
       train_flops_per_step=flops, model_flops_per_s=flops / step_s,
       matmul_peak_flops_per_s=peak["flops_per_s"], matmul_peak=peak,
       mfu=flops / step_s / peak["flops_per_s"],
@@ -233,8 +288,12 @@ def main(argv=None):
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "train.json"))
   ap.add_argument("--kernels", default="", help="model.kernels (default: the config's, auto)")
+  ap.add_argument("--workload", default="cpu", choices=tuple(WORKLOAD_SETS),
+                  help="batch shapes: cpu (the CPU targets'), gpu (one datacenter GPU), dry")
+  ap.add_argument("--peak_n", type=int, default=PEAK_N, help="matmul peak's n (n^3 dot)")
   ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  workloads = WORKLOAD_SETS[args.workload]
 
   if args._child:  # preset,dtype: measure and print one JSON line
     from seq2seq.kernels import malloc
@@ -242,21 +301,23 @@ def main(argv=None):
     preset, dtype = args._child.split(",")
     import jax
     jax.config.update("jax_enable_compilation_cache", False)   # compile times from scratch
-    r = run_one(preset, dtype, args.steps, args.warmup, args.kernels)
+    r = run_one(preset, dtype, args.steps, args.warmup, args.kernels, args.workload,
+                args.peak_n)
     print("RESULT " + json.dumps(r), flush=True)
     return
 
   rows = []
   for preset in args.presets.split(","):
-    if preset not in WORKLOADS:
-      sys.exit(f"unknown preset {preset!r}; choose from {', '.join(WORKLOADS)}")
+    if preset not in workloads:
+      sys.exit(f"unknown preset {preset!r}; choose from {', '.join(workloads)}")
     for dtype in args.dtypes.split(","):
       if dtype not in ("float32", "bfloat16"):
         sys.exit(f"unknown dtype {dtype!r}; choose float32 or bfloat16")
       t = time.perf_counter()
       proc = subprocess.run(
           [sys.executable, os.path.abspath(__file__), "--_child", f"{preset},{dtype}",
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--kernels", args.kernels],
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--kernels", args.kernels,
+           "--workload", args.workload, "--peak_n", str(args.peak_n)],
           stdout=subprocess.PIPE, text=True)
       line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
       if proc.returncode != 0 or line is None:
@@ -281,7 +342,7 @@ def main(argv=None):
   print(f"\nTrain step: target tokens/s (non-pad), jax {jax.__version__}, "
         f"{cpu_name()}, load average "
         f"{os.getloadavg()[0]:.1f}, {args.steps} timed steps after {1 + args.warmup} warm-up"
-        f"\nMFU = model FLOP/s / {PEAK_N}^3 matmul peak of the same dtype (f32 accumulation),"
+        f"\nMFU = model FLOP/s / {args.peak_n}^3 matmul peak of the same dtype (f32 accumulation),"
         f" measured in the same process; limit = tokens/s at 100% MFU;\n"
         f"train FLOPs/step = {FLOP_FORMULA}\n"
         f"{head}\n{'-' * len(head)}")
@@ -289,13 +350,21 @@ def main(argv=None):
     if r.get("failed"):
       print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})")
       continue
+    target = r["target_tokens_per_s"]
     print(f"{r['preset']:6s} {r['dtype']:8s} {r['batch']:3d}x{r['length']:<3d} "
-          f"{r['tokens_per_s']:7.0f} {r['target_tokens_per_s']:6d} {r['step_s']:7.3f} "
+          f"{r['tokens_per_s']:7.0f} {'-' if target is None else target:>6} {r['step_s']:7.3f} "
           f"{r['model_flops_per_s'] / 1e9:8.1f} {r['matmul_peak_flops_per_s'] / 1e9:9.1f} "
           f"{100 * r['mfu']:5.1f}% {r['limit_tokens_per_s']:6.0f} {r['compile_s']:9.1f} "
           f"{r['peak_rss_mb']:11.0f}")
   ok = [r for r in rows if not r.get("failed")]
-  if ok:
+  if ok and args.workload != "cpu":
+    for r in ok:
+      if r.get("mfu_datasheet") is not None:
+        print(f"{r['preset']} {r['dtype']}: MFU {100 * r['mfu_datasheet']:.1f}% of the "
+              f"{r['device']} datasheet's dense bf16 {r['datasheet_bf16_flops_per_s'] / 1e12:.0f}"
+              f" TFLOP/s; device peak memory "
+              f"{(r['device_peak_bytes'] or 0) / 2 ** 30:.1f} GiB")
+  elif ok:
     print(f"padding: {100 * statistics.mean(r['pad_fraction'] for r in ok):.1f}% of target "
           f"positions; targets: small f32 >= 2800, bf16 >= 5000; base f32 >= 480, bf16 >= "
           f"1000 tok/s; base first-step compile <= {TARGET_BASE_COMPILE_S:.0f} s")
@@ -307,7 +376,7 @@ def main(argv=None):
               load_avg=os.getloadavg(), args={k: v for k, v in vars(args).items()
                                                if k != "_child"},
               flop_formula=FLOP_FORMULA,
-              targets={f"{p}/{d}": v for (p, d), v in TARGETS.items()},
+              targets={f"{p}/{d}": v for (p, d), v in TARGET_SETS[args.workload].items()},
               target_base_compile_s=TARGET_BASE_COMPILE_S)
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, results=rows), f, indent=2)

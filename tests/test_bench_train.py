@@ -40,12 +40,34 @@ def test_train_flops_counts_every_matmul_of_the_step(dtype, tie_output):
   assert bench_train.train_flops(model, 4, 6, 9) == _step_flops(cfg, 4, 6, 9)
 
 
-@pytest.mark.parametrize("preset", list(bench_train.WORKLOADS))
-def test_train_flops_of_the_benchmark_workloads(preset):
-  cfg = bench_train.workload_config(preset, "bfloat16")
-  w = bench_train.WORKLOADS[preset]
+@pytest.mark.parametrize("workload, preset", [("cpu", "small"), ("cpu", "base"), ("dry", "tiny")])
+def test_train_flops_of_the_benchmark_workloads(workload, preset):
+  cfg = bench_train.workload_config(preset, "bfloat16", workload=workload)
+  w = bench_train.WORKLOAD_SETS[workload][preset]
+  assert (cfg.train.batch_size, cfg.train.seq_len) == (w["batch"], w["length"])
   assert bench_train.train_flops(cfg.model, w["batch"], w["length"], w["length"]) == \
       _step_flops(cfg, w["batch"], w["length"], w["length"])
+
+
+def test_gpu_workloads_are_the_presets_at_their_shapes():
+  """(The FLOP count is checked above at distinct dimensions; tracing `big` costs ~10 s.)"""
+  for preset, w in bench_train.GPU_WORKLOADS.items():
+    cfg = bench_train.workload_config(preset, "bfloat16", workload="gpu")
+    paper = seq2seq.get_config(preset, vocab_size=w["vocab_size"])
+    assert cfg.model == paper.replace(dtype="bfloat16", dropout_rate=0.1,
+                                      ffn_dropout_rate=0.1)
+    assert (cfg.train.batch_size, cfg.train.seq_len) == (w["batch"], w["length"])
+
+
+def test_gpu_batches_pad_about_13_percent_too_and_datasheet_peaks_are_found():
+  w = bench_train.GPU_WORKLOADS["base"]
+  b = bench_train.random_batch(np.random.default_rng(0), w["batch"], w["length"], 100,
+                               w["min_len"])
+  lens = (b["tgt"] != bench_train.PAD).sum(1)
+  assert lens.min() >= w["min_len"] and 0.11 < 1.0 - lens.mean() / w["length"] < 0.15
+  assert bench_train.datasheet_bf16_peak("NVIDIA H100 80GB HBM3") == 989.4e12
+  assert bench_train.datasheet_bf16_peak("NVIDIA H100 PCIe") == 756e12
+  assert bench_train.datasheet_bf16_peak("cpu") is None
 
 
 def test_random_batches_end_in_eos_then_pad_about_13_percent():

@@ -188,6 +188,121 @@ def test_accelerator_attention_equals_the_reference_on_queries_that_attend():
                                 attn.dot_product_attention(q, k, v, mask, **kw))
 
 
+def _bf16_attention_inputs(B=2, Q=8, K=16, H=2, D=16, seed=8):
+  """Even lengths and a head size cuDNN takes: a causal-and-padding mask [B, 1, Q, K]."""
+  rng = np.random.default_rng(seed)
+  q, k, v, g = (jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+                for s in [(B, H, Q, D), (B, H, K, D), (B, H, K, D), (B, H, Q, D)])
+  mask = np.broadcast_to(np.arange(K)[None, :] <= np.arange(Q)[:, None] + (K - Q),
+                         (B, 1, Q, K)).copy()
+  mask[1, :, :, K - 5:] = False     # row 1's last 5 keys are padding
+  return q, k, v, g, mask
+
+
+def test_accelerator_attention_in_bf16_equals_the_reference_computed_in_f32():
+  """bf16 inputs (cuDNN's, where a GPU has it and its probe passes; XLA's elsewhere):
+  values and gradients within bf16 rounding of the reference on the same bf16 numbers in
+  float32; a GPU records why it chose what it chose."""
+  q, k, v, g, mask = _bf16_attention_inputs()
+  f32 = lambda x: x.astype(jnp.float32)
+  y, vjp = jax.vjp(jax.jit(lambda q, k, v: kernels.accelerator.attention(q, k, v, mask)),
+                   q, k, v)
+  y_ref, vjp_ref = jax.vjp(lambda q, k, v: attn.dot_product_attention(q, k, v, mask),
+                           f32(q), f32(k), f32(v))
+  rel = lambda a, b: float(jnp.linalg.norm(f32(a) - b) / jnp.linalg.norm(b))
+  assert y.dtype == jnp.bfloat16 and rel(y, y_ref) < 1e-2
+  for name, a, b in zip("qkv", jax.jit(vjp)(g), vjp_ref(f32(g))):
+    assert rel(a, b) < 2e-2, name
+  y_plain = jax.jit(lambda q, k, v: kernels.accelerator.attention(q, k, v, mask))(q, k, v)
+  assert rel(y_plain, y_ref) < 1e-2
+  if jax.default_backend() == "gpu":   # the choice was made, not skipped
+    assert kernels.accelerator.verdicts(), "no cuDNN verdict recorded on a GPU"
+
+
+def _fake_cudnn(monkeypatch, fake):
+  """accelerator's cuDNN replaced by `fake(q, k, v, mask)` (XLA's on CPU), as if the
+  inputs qualified: the chooser's probe and fallback run on any machine."""
+  acc = kernels.accelerator
+  real = acc._call
+  monkeypatch.setattr(acc, "_VERDICTS", {})
+  monkeypatch.setattr(acc, "unqualified", lambda q, mask=None: None)
+  monkeypatch.setattr(acc, "_call", lambda impl, q, k, v, mask: (
+      fake(q, k, v, mask) if impl == "cudnn" else real(impl, q, k, v, mask)))
+  monkeypatch.delenv(acc.ENV, raising=False)
+
+
+def _xla(q, k, v, mask):
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+@jax.custom_vjp
+def _forward_only(q, k, v, mask):
+  return _xla(q, k, v, mask) * 1.01     # in tolerance, and told apart from XLA's
+
+
+_forward_only.defvjp(lambda q, k, v, mask: (_forward_only(q, k, v, mask), None),
+                     lambda res, g: (_ for _ in ()).throw(NotImplementedError("no bprop")))
+
+
+@pytest.mark.parametrize("fake, forward, train", [
+    (_xla, "cudnn", "cudnn"),
+    (_forward_only, "cudnn", "xla"),
+    (lambda q, k, v, mask: _xla(q, k, v, mask) * 1.1, "xla", "xla"),         # wrong numbers
+    (lambda q, k, v, mask: _xla(q, k, v, mask) * jnp.nan, "xla", "xla"),     # NaN
+    (lambda q, k, v, mask: (_ for _ in ()).throw(ValueError("refused")), "xla", "xla"),
+])
+def test_cudnn_is_chosen_only_where_its_probe_ran_and_matched(monkeypatch, fake, forward,
+                                                              train):
+  """The plain forward takes cuDNN when its probe matched XLA; a differentiated call takes
+  it only when the backward's probe matched too; a refusal, NaN or wrong numbers fall back
+  to XLA, whose values and gradients the caller then gets."""
+  _fake_cudnn(monkeypatch, fake)
+  q, k, v, g, mask = _bf16_attention_inputs()
+  f = lambda q, k, v: kernels.accelerator.attention(q, k, v, mask)
+  y = jax.jit(f)(q, k, v)
+  (verdict,) = kernels.accelerator.verdicts()
+  assert (verdict["forward"]["ok"], verdict["train"]["ok"]) == (forward == "cudnn",
+                                                                train == "cudnn"), verdict
+  to_BLHD = lambda x: x.swapaxes(1, 2)
+
+  def alone(impl):   # the implementation alone, jitted alike
+    return lambda q, k, v: to_BLHD(kernels.accelerator._call(impl, to_BLHD(q), to_BLHD(k),
+                                                              to_BLHD(v), mask))
+
+  with_grads = lambda f: jax.jit(lambda q, k, v, g: (
+      jax.vjp(f, q, k, v)[0], *jax.vjp(f, q, k, v)[1](g)))
+  same = lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                    np.asarray(b, np.float32))
+  same(y, jax.jit(alone(forward))(q, k, v))
+  y_diff, *grads = with_grads(f)(q, k, v, g)
+  for a, b in zip([y_diff, *grads], with_grads(alone(train))(q, k, v, g)):
+    same(a, b)
+  if forward != train:   # the two really differ, so the test tells which one answered
+    assert not np.array_equal(np.asarray(y, np.float32), np.asarray(y_diff, np.float32))
+
+
+def test_attention_implementation_is_chosen_by_the_environment(monkeypatch):
+  acc = kernels.accelerator
+  q, k, _, _, mask = _bf16_attention_inputs()
+  q, k = q.swapaxes(1, 2), k.swapaxes(1, 2)
+  monkeypatch.setattr(acc, "_VERDICTS", {})
+  monkeypatch.setenv(acc.ENV, "xla")
+  assert acc.choose(q, k, mask) == ("xla", "xla")
+  monkeypatch.setenv(acc.ENV, "cudnn")
+  assert acc.choose(q, k, mask) == ("cudnn", "cudnn")
+  monkeypatch.setenv(acc.ENV, "flash")
+  with pytest.raises(seq2seq.UserError, match="SEQ2SEQ_ATTENTION must be auto, xla or cudnn"):
+    acc.choose(q, k, mask)
+  monkeypatch.delenv(acc.ENV)
+  if jax.default_backend() != "gpu":
+    assert acc.choose(q, k, mask) == ("xla", "xla") and not acc.verdicts()
+    assert acc.unqualified(q, mask).startswith("backend ")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert "dtype float32" in acc.unqualified(q.astype(jnp.float32), mask)
+  assert "head size 12" in acc.unqualified(q[..., :12], mask)
+  assert acc.unqualified(q, mask) is None
+
+
 @pytest.mark.parametrize("table", ["reference", "cpu", "accelerator"])
 @pytest.mark.parametrize("mask_rows", ["per_query_row", "per_key_row"])
 def test_query_rows_sharing_keys_equal_attention_over_repeated_keys(table, mask_rows):
@@ -298,16 +413,19 @@ def test_kernels_are_chosen_by_name_and_auto_by_backend():
 V = 37
 
 
-def _batch(packed: bool, seed: int = 0):
+def _batch(packed: bool, seed: int = 0, even: bool = False):
   """Padded rows (a short source and target), or packed rows (two examples per row with
-  their own segments and positions)."""
+  their own segments and positions). `even`: the source gets one more padding column, so
+  every length is even (cuDNN's attention backward with a mask wants even lengths)."""
   rng = np.random.default_rng(seed)
   src = rng.integers(4, V, (3, 9)).astype(np.int32)
   tgt = rng.integers(4, V, (3, 8)).astype(np.int32)
+  pad_src = (lambda x: np.pad(x, ((0, 0), (0, 1)))) if even else (lambda x: x)
   if not packed:
     src[1, 5:], tgt[1, 4:], tgt[2, 6:] = 0, 0, 0
-    return {"src": src, "tgt": tgt}
-  src_seg = np.array([[1] * 4 + [2] * 5] * 3, np.int32)
+    return {"src": pad_src(src), "tgt": tgt}
+  src = pad_src(src)
+  src_seg = pad_src(np.array([[1] * 4 + [2] * 5] * 3, np.int32))
   tgt_seg = np.array([[1] * 3 + [2] * 4 + [0]] * 3, np.int32)
   tgt[:, 7] = 0
   pos = lambda seg: np.concatenate([np.arange((seg[0] == s).sum()) for s in (1, 2)] +
@@ -333,13 +451,13 @@ def _params(pre_ln: bool, seed=0):
       lambda x: x + 0.1 * rng.normal(size=x.shape).astype(np.float32), p)
 
 
-def _everything(table, dtype, pre_ln, packed, params, dropout=0.0):
+def _everything(table, dtype, pre_ln, packed, params, dropout=0.0, even=False):
   """Logits (teacher-forced), the train step's loss sums and gradients, greedy and beam
   tokens of one kernels table."""
   params = params[pre_ln]
   mc = _model_config(table, dtype, pre_ln, dropout)
   cfg = Config(model=mc, train=TrainConfig(label_smoothing=0.1))
-  batch = {k: jnp.asarray(v) for k, v in _batch(packed).items()}
+  batch = {k: jnp.asarray(v) for k, v in _batch(packed, even=even).items()}
   tgt_in = train_lib.shift_right(batch["tgt"], 1, batch.get("tgt_segments"))
   logits = jax.jit(lambda p, b, t: Transformer(mc).apply(
       {"params": p}, b["src"], t, b.get("src_segments"), b.get("tgt_segments"),
@@ -383,10 +501,10 @@ def params():
 _REFERENCE_CACHE = {}
 
 
-def _reference(dtype, pre_ln, packed, params):
-  key = (dtype, pre_ln, packed)
+def _reference(dtype, pre_ln, packed, params, even=False):
+  key = (dtype, pre_ln, packed, even)
   if key not in _REFERENCE_CACHE:
-    _REFERENCE_CACHE[key] = _everything("reference", dtype, pre_ln, packed, params)
+    _REFERENCE_CACHE[key] = _everything("reference", dtype, pre_ln, packed, params, even=even)
   return _REFERENCE_CACHE[key]
 
 
@@ -399,6 +517,17 @@ def _reference(dtype, pre_ln, packed, params):
 def test_every_kernels_table_computes_the_reference_model(table, dtype, pre_ln, packed, params):
   want = _reference(dtype, pre_ln, packed, params)
   assert_same_function(_everything(table, dtype, pre_ln, packed, params), want, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_accelerator_bf16_model_with_even_lengths_computes_the_reference_model(params, packed):
+  """The shapes cuDNN's attention can take in training too (bf16, head size 16, even
+  lengths; on a GPU where its probe passes): the accelerator table's logits, train-step
+  loss and gradients equal the reference's within the bf16 tolerances."""
+  want = _reference("bfloat16", False, packed, params, even=True)
+  got = _everything("accelerator", "bfloat16", False, packed, params, even=True)
+  assert_same_function(got, want, "bfloat16")
 
 
 @pytest.mark.slow

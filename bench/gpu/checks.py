@@ -1,0 +1,130 @@
+"""Checks bench/gpu/run.py runs in their own processes; each prints one JSON line
+(`RESULT {...}`) and exits 0 when it could look, whatever it found.
+
+    python bench/gpu/checks.py attention [--preset base] [--batch 16] [--length 64]
+        Which attention the compiled programs run: lowers and compiles a bf16 train step
+        (`train_lib.Trainer.step`) and the cached decode loop (greedy and beam 4) of the
+        preset with the default kernels ("auto": `accelerator` on a GPU), and counts the
+        cuDNN fused-attention custom calls (`__cudnn$fmha...`) in each compiled HLO (and
+        every custom call's target, should XLA name them otherwise), with
+        kernels/accelerator.py's verdict for every form of attention it traced.
+    python bench/gpu/checks.py checkpoints WORKDIR
+        Every checkpoint of WORKDIR restored (`checkpoint.load_workdir`, which checks each
+        array's checksum): its step and a SHA-256 of its parameters, or the error.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FMHA = re.compile(r"__cudnn\$fmha\w*")
+CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _count(names) -> dict:
+  found = {}
+  for name in names:
+    found[name] = found.get(name, 0) + 1
+  return found
+
+
+def fmha_calls(hlo_text: str) -> dict:
+  """{custom-call target: count} of cuDNN's fused attention in compiled HLO text."""
+  return _count(FMHA.findall(hlo_text))
+
+
+def _program(compiled, seconds: float) -> dict:
+  text = compiled.as_text()
+  return dict(fmha=fmha_calls(text), custom_calls=_count(CUSTOM_CALL.findall(text)),
+              compile_s=seconds)
+
+
+def attention(preset: str, batch: int, length: int, workload: str,
+              strategies=("greedy", "beam4")) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import bench_train
+  from seq2seq import decoding, search, train_lib
+  from seq2seq.kernels import accelerator
+  from seq2seq.model import Transformer
+
+  cfg = bench_train.workload_config(preset, "bfloat16", workload=workload)
+  cfg = cfg.replace(train=cfg.train.replace(batch_size=batch, seq_len=length))
+  out = dict(preset=preset, batch=batch, length=length, backend=jax.default_backend(),
+             kernels=cfg.model.kernels, requested=accelerator.requested())
+  trainer = train_lib.Trainer(cfg, bos_id=bench_train.BOS)
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
+  t = time.perf_counter()
+  hlo = trainer.step.lower(trainer.abstract_state, {"src": tokens, "tgt": tokens}).compile()
+  out["train_step"] = _program(hlo, time.perf_counter() - t)
+
+  model = cfg.model.replace(dropout_rate=0.0)
+  x = jnp.ones((1, 4), jnp.int32)
+  params = jax.eval_shape(Transformer(model).init, jax.random.key(0), x, x)
+  src = jax.ShapeDtypeStruct((batch, length // 2), jnp.int32)
+  known = {"greedy": search.Greedy(), "beam4": search.Beam(4)}
+  for name, strategy in ((f"decode_{s}", known[s]) for s in strategies):
+    t = time.perf_counter()
+    hlo = decoding.decode_jit_for(model).lower(
+        params, src, jax.random.key(0), cfg=model, strategy=strategy, max_len=length,
+        per_row_limit=False, bos_id=1, eos_id=2, pad_id=0, min_len=0, full_recompute=False,
+        return_logits=False).compile()
+    out[name] = _program(hlo, time.perf_counter() - t)
+  out["verdicts"] = accelerator.verdicts()
+  out["cudnn_in_train_step"] = bool(out["train_step"]["fmha"])
+  out["cudnn_in_decode"] = any(bool(out[f"decode_{s}"]["fmha"]) for s in strategies)
+  return out
+
+
+def checkpoints(workdir: str) -> dict:
+  import jax
+  import numpy as np
+  from seq2seq import checkpoint as ckpt_lib
+  steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
+  loaded = {}
+  for step in steps:
+    try:
+      _, params, _ = ckpt_lib.load_workdir(workdir, step)
+      h = hashlib.sha256()
+      for leaf in jax.tree_util.tree_leaves(params):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+      loaded[str(step)] = dict(ok=True, sha256=h.hexdigest())
+    except Exception as e:   # noqa: BLE001 - recorded, whatever it is
+      loaded[str(step)] = dict(ok=False, error=f"{type(e).__name__}: "
+                                               f"{(str(e).splitlines() or [''])[0][:300]}")
+  return dict(workdir=workdir, steps=steps, checkpoints=loaded,
+              all_load=bool(steps) and all(v["ok"] for v in loaded.values()))
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  sub = ap.add_subparsers(dest="what", required=True)
+  a = sub.add_parser("attention")
+  a.add_argument("--preset", default="base")
+  a.add_argument("--workload", default="gpu", help="bench_train.py's workload set")
+  a.add_argument("--batch", type=int, default=16)
+  a.add_argument("--length", type=int, default=64)
+  a.add_argument("--strategies", default="greedy,beam4", help="decode loops compiled")
+  c = sub.add_parser("checkpoints")
+  c.add_argument("workdir")
+  args = ap.parse_args(argv)
+  from seq2seq import compile_cache
+  compile_cache.enable()
+  if args.what == "attention":
+    r = attention(args.preset, args.batch, args.length, args.workload,
+                  tuple(args.strategies.split(",")))
+  else:
+    r = checkpoints(args.workdir)
+  print("RESULT " + json.dumps(r), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,772 @@
+"""The project on one GPU: correctness, training and decoding speed, a real run, and an
+out-of-memory run, each stage ending in a JSON file, in one command.
+
+    bench/gpu/run.sh correctness,train_speed --deadline_s 350     # first device call
+    bench/gpu/run.sh bible,oom,decode_speed --deadline_s 350      # second device call
+    bench/gpu/run.sh all --dry_run          # every stage, tiny, on a CPU: catches typos
+
+Writes to --out (default $OUT, else bench/results/gpu):
+  run.json      the machine (nvidia-smi, versions, JAX's devices), the wheels installed,
+                every stage's status; rewritten after each step
+  <stage>.json  one per stage: each step's exit code, time, the tail of its output and
+                what was parsed from it, and the stage's summary; rewritten after each step
+  log.txt       every step's output, in order
+so that a run cut off by its time limit still leaves what finished. Nothing else goes
+there (a device machine sends back 8 files at most); workdirs, data builds and the
+benchmarks' own JSON go under --work (default /tmp/seq2seq-gpu).
+
+Stages (see docs/performance.md, "GPU"):
+  correctness   the kernel-equality, attention and decoding tests (tests/test_kernels.py
+                with its slow cases: reference against accelerator, f32 and bf16, training
+                and decoding), the checkpoint save/restore/resume tests of
+                tests/test_train.py, all on the GPU (f32 matmuls at full precision:
+                JAX_DEFAULT_MATMUL_PRECISION=highest, else TF32 would break the f32
+                tolerances); then checks.py attention: cuDNN's fused attention
+                (`__cudnn$fmha`) in the compiled train step and decode loops, or not
+  train_speed   bench_train.py --workload gpu (small, base, big; bf16) and, where torch is
+                installed, bench_peers_torch.py's nn.Transformer on the same GPU (eager,
+                then torch.compile for base)
+  decode_speed  bench_decode.py --workload gpu (base, batch 128, greedy and beam 4, bf16)
+                and, where transformers is installed, MarianMT generate (bf16 and fp16)
+  bible         train.py --config bible_gpu on --bible_dir (the corpus of
+                `python -m seq2seq.data.bible`), then decode.py beam 4 on its test split
+  oom           a resume of that run with a batch too large for the GPU: exit code, last
+                line of standard error, and whether every checkpoint still loads
+Every step runs under its own time limit; --deadline_s bounds the whole command (a step
+that cannot start with 20 s left is skipped, and a step's limit is cut to what is left).
+
+--dry_run: the same steps on tiny models and few tokens (JAX_PLATFORMS=cpu is set), the
+pytest selections only collected, torch peers only where torch imports (else recorded as
+skipped): tests/test_gpu_script.py runs it.
+
+Before the first import of the project, carried wheels (--wheels, default .whl: see
+bench/gpu/fetch_wheels.sh) are installed with pip into --site (/tmp/site) for the
+packages that do not import; the project itself runs from this tree (PYTHONPATH).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("correctness", "train_speed", "decode_speed", "bible", "oom")
+# The packages the device image lacks (imported by the project, by module name).
+NEEDED_MODULES = ("tensorflow_datasets", "array_record", "tensorboardX", "num2words")
+VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
+            "orbax-checkpoint", "numpy", "torch", "transformers", "tensorflow-datasets",
+            "array-record", "protobuf", "sentencepiece", "sacrebleu")
+MIN_STEP_S = 20.0
+TAIL_LINES = 40
+
+# The goals of the first GPU run (docs/performance.md, "GPU").
+GOALS = dict(train_big_tokens_per_s=250_000, train_base_tokens_per_s=500_000,
+             train_vs_torch=1.3, decode_greedy_tokens_per_s=68_000,
+             decode_beam4_tokens_per_s=40_000, decode_vs_marian=3.0, bible_bleu=25.0,
+             bible_train_s=300.0, oom_exit_code=2)
+
+# Kernel equality, attention and decoding tests; the checkpoint tests.
+KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_attention.py", "tests/test_decoding.py"]
+CHECKPOINT_TESTS = ["tests/test_train.py", "-k",
+                    "complete_workdir or sigkill_then_resume or broken_latest_checkpoint "
+                    "or average_checkpoints"]
+# Tiny models for --dry_run (a few seconds of compiling each on a CPU).
+DRY_MODEL = ["--config.model.d_model=32", "--config.model.num_heads=2",
+             "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+             "--config.model.d_ff=64", "--config.data.vocab_size=300",
+             "--config.data.max_src_len=32", "--config.data.max_tgt_len=32",
+             "--config.train.seq_len=32", "--config.train.batch_size=4",
+             "--config.train.warmup_steps=1", "--config.train.cooldown_steps=0",
+             "--config.train.eval_every=1000", "--config.train.checkpoint_every=1",
+             "--config.train.log_every=1", "--config.train.num_eval_examples=4",
+             "--config.train.eval_batch_size=4"]
+
+
+# --- installing the carried wheels -------------------------------------------------------------
+
+def _version(text: str) -> tuple:
+  return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def _wheel_meta(path: Path) -> tuple[str, list[str]]:
+  """(distribution name, Requires-Dist lines) of a wheel file."""
+  with zipfile.ZipFile(path) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    lines = z.read(meta).decode("utf-8", "replace").splitlines()
+  name = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("Name:"))
+  return name, [l.split(":", 1)[1].strip() for l in lines if l.startswith("Requires-Dist:")]
+
+
+def _installed(name: str) -> str | None:
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def wheels_to_install(wheels: list[Path], installed: Callable[[str], str | None]) -> tuple:
+  """(wheels to install, why each other one is left out): a wheel whose distribution is
+  installed already stays out, except protobuf, which goes in only where the installed
+  one is older than the newest lower bound (`protobuf>=X`) the wheels going in ask for."""
+  keep, left, protobuf, need = [], {}, None, ()
+  for w in sorted(wheels):
+    name, requires = _wheel_meta(w)
+    norm = name.lower().replace("_", "-")
+    if norm == "protobuf":
+      protobuf = w
+      continue
+    have = installed(norm)
+    if have is not None:
+      left[w.name] = f"{norm} {have} is installed"
+      continue
+    keep.append(w)
+    for r in requires:
+      m = re.match(r"protobuf\s*([^;]*)", r)
+      if m and ";" in r and "extra ==" in r:
+        continue
+      if m:
+        for bound in re.findall(r">=\s*([\d.]+)", m.group(1)):
+          need = max(need, _version(bound))
+  if protobuf is not None:
+    have = installed("protobuf")
+    if have is None or (need and _version(have) < need):
+      keep.append(protobuf)
+    else:
+      left[protobuf.name] = (f"protobuf {have} is installed (the wheels need >= "
+                             f"{'.'.join(map(str, need)) or 'any'})")
+  return keep, left
+
+
+def install_wheels(wheel_dir: Path, site: Path, log) -> dict:
+  """Installs the carried wheels the machine needs into `site`; what it did."""
+  missing = [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]
+  if not missing:
+    return dict(done=False, reason="every needed package imports already")
+  wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
+  if not wheels:
+    return dict(done=False, reason=f"{', '.join(missing)} missing and no wheels in {wheel_dir}")
+  keep, left = wheels_to_install(wheels, _installed)
+  cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+         "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
+         *map(str, keep)]
+  p = subprocess.run(cmd, capture_output=True, text=True)
+  log(f"$ {' '.join(cmd[:12])} ... ({len(keep)} wheels)\n{p.stdout}{p.stderr}")
+  return dict(done=p.returncode == 0, returncode=p.returncode, missing=missing,
+              installed=[w.name for w in keep], left_out=left, site=str(site))
+
+
+# --- running steps -------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Step:
+  name: str
+  argv: list[str]
+  timeout: float
+  env: dict = dataclasses.field(default_factory=dict)
+  parse: Callable[[str, int], dict] | None = None   # (output, returncode) -> fields
+  stdout_to: Path | None = None                     # stdout to this file, not the log
+  skip: str = ""                                    # why it is not run ("" = run it)
+
+
+def result_lines(text: str) -> list[dict]:
+  """The JSON of every `RESULT {...}` line of a step's output."""
+  return [json.loads(l[len("RESULT "):]) for l in text.splitlines() if l.startswith("RESULT ")]
+
+
+class Runner:
+  """Runs steps under a deadline, logging to log.txt and writing JSON as each ends."""
+
+  def __init__(self, out: Path, work: Path, deadline_s: float, env: dict, dry_run: bool):
+    self.out, self.work, self.env, self.dry_run = out, work, env, dry_run
+    self.end = time.monotonic() + deadline_s
+    self.log_path = out / "log.txt"
+    self.run = dict(started=datetime.datetime.now().isoformat(timespec="seconds"),
+                    dry_run=dry_run, deadline_s=deadline_s, stages={})
+    self.proc = None   # the step running now
+
+  def stop(self, signum, frame) -> None:
+    """SIGTERM/SIGINT: the running step's process group goes too; run.json says so."""
+    if self.proc is not None and self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.run["stopped_by_signal"] = signum
+    self.write("run.json", self.run)
+    sys.exit(128 + signum)
+
+  def log(self, text: str) -> None:
+    with open(self.log_path, "a") as f:
+      f.write(text if text.endswith("\n") else text + "\n")
+
+  def say(self, text: str) -> None:
+    print(text, flush=True)
+    self.log(text)
+
+  def write(self, name: str, data: dict) -> None:
+    tmp = self.out / f".{name}.tmp"
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, self.out / name)
+
+  def left(self) -> float:
+    return self.end - time.monotonic()
+
+  def step(self, step: Step) -> dict:
+    rec = dict(name=step.name, argv=step.argv)
+    if step.skip:
+      self.say(f"--- {step.name}: skipped ({step.skip})")
+      return dict(rec, skipped=step.skip)
+    if self.left() < MIN_STEP_S:
+      self.say(f"--- {step.name}: skipped (only {self.left():.0f} s left of the deadline)")
+      return dict(rec, skipped="deadline")
+    timeout = min(step.timeout, self.left() - 5.0)
+    self.say(f"--- {step.name}: {' '.join(step.argv)}  (limit {timeout:.0f} s)")
+    env = dict(self.env, **step.env)
+    t = time.monotonic()
+    out_f = open(step.stdout_to, "w") if step.stdout_to else None
+    # Its own process group (so that a time limit ends pytest's workers and train.py's
+    # threads too), but not its own Unix session (no setsid): whatever ends this command's
+    # processes ends it too.
+    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, text=True, preexec_fn=os.setpgrp,
+                            stdout=out_f or subprocess.PIPE,
+                            stderr=subprocess.STDOUT if out_f is None else subprocess.PIPE)
+    self.proc = proc
+    lines, timed_out = [], False
+    try:
+      stream = proc.stdout if out_f is None else proc.stderr
+      deadline = t + timeout
+      for line in _lines_until(stream, deadline):
+        lines.append(line)
+        self.log(line)
+      proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+    finally:
+      if proc.poll() is None:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)   # the step's own process group
+        proc.wait()
+      if out_f:
+        out_f.close()
+    text = "".join(lines)
+    rec.update(returncode=proc.returncode, timed_out=timed_out,
+               seconds=round(time.monotonic() - t, 1), tail=lines[-TAIL_LINES:])
+    if step.parse is not None:
+      try:
+        rec.update(step.parse(text, proc.returncode))
+      except Exception as e:   # noqa: BLE001 - a parser's failure is recorded, not fatal
+        rec["parse_error"] = f"{type(e).__name__}: {e}"
+    self.say(f"--- {step.name}: exit {proc.returncode}{' (TIMED OUT)' if timed_out else ''} "
+             f"in {rec['seconds']} s")
+    return rec
+
+
+def _lines_until(stream, deadline: float):
+  """The lines of `stream` until it ends or the deadline passes (raises TimeoutExpired)."""
+  import selectors
+  sel = selectors.DefaultSelector()
+  sel.register(stream, selectors.EVENT_READ)
+  buf = ""
+  fd = stream.fileno()
+  while True:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      raise subprocess.TimeoutExpired("step", 0)
+    if not sel.select(timeout=min(left, 1.0)):
+      continue
+    chunk = os.read(fd, 65536).decode("utf-8", "replace")
+    if not chunk:
+      if buf:
+        yield buf + "\n"
+      return
+    buf += chunk
+    *done, buf = buf.split("\n")
+    for line in done:
+      yield line + "\n"
+
+
+def run_stage(runner: Runner, stage: str, steps: list[Step], summarize) -> dict:
+  """Runs a stage's steps, rewriting <stage>.json after each; returns its record."""
+  rec = dict(stage=stage, dry_run=runner.dry_run, steps=[], summary={})
+  t = time.monotonic()
+  for step in steps:
+    rec["steps"].append(runner.step(step))
+    try:
+      rec["summary"] = summarize(rec["steps"])
+    except Exception as e:   # noqa: BLE001
+      rec["summary"] = dict(error=f"{type(e).__name__}: {e}")
+    rec["seconds"] = round(time.monotonic() - t, 1)
+    runner.write(f"{stage}.json", rec)
+  ran = [s for s in rec["steps"] if "returncode" in s]
+  rec["status"] = ("skipped" if not ran else
+                   "ok" if all(s["returncode"] == 0 and not s["timed_out"] for s in ran)
+                   and len(ran) == len(rec["steps"]) else "partial")
+  runner.write(f"{stage}.json", rec)
+  runner.run["stages"][stage] = dict(status=rec["status"], seconds=rec["seconds"],
+                                     summary=rec["summary"])
+  runner.write("run.json", runner.run)
+  return rec
+
+
+def by_name(steps: list[dict]) -> dict:
+  return {s["name"]: s for s in steps}
+
+
+# --- the stages ----------------------------------------------------------------------------------
+
+def _junit(path: Path) -> dict:
+  """Counts and failures of a pytest --junitxml file."""
+  import xml.etree.ElementTree as ET
+  if not path.exists():
+    return dict(junit="missing")
+  cases, failed, skipped = 0, [], []
+  for case in ET.parse(path).getroot().iter("testcase"):
+    cases += 1
+    name = f"{case.get('classname', '')}::{case.get('name', '')}"
+    for child in case:
+      if child.tag in ("failure", "error"):
+        failed.append(dict(test=name, kind=child.tag,
+                           message=(child.get("message") or "")[:400]))
+      elif child.tag == "skipped":
+        skipped.append(dict(test=name, message=(child.get("message") or "")[:200]))
+  return dict(tests=cases, failed=failed, skipped=skipped,
+              passed=cases - len(failed) - len(skipped))
+
+
+def _collected(text: str, returncode: int) -> dict:
+  """Tests a `pytest --collect-only -q` run lists."""
+  ids = [l.strip() for l in text.splitlines() if "::" in l and not l.startswith(" ")]
+  return dict(collected=len(ids))
+
+
+def correctness(args, work: Path) -> tuple[list[Step], Callable]:
+  py = sys.executable
+  pytest_env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+  steps = []
+  for name, sel, workers in (("kernel_and_decoding_tests", KERNEL_TESTS, 12),
+                             ("checkpoint_tests", CHECKPOINT_TESTS, 4)):
+    junit = work / f"{name}.xml"
+    junit.unlink(missing_ok=True)   # an earlier call's on the same machine
+    if args.dry_run:   # collect only: the selection exists and imports
+      argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *sel]
+      parse = _collected
+    else:
+      argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+              "--dist", "load", f"--junitxml={junit}", *sel]
+      parse = (lambda j: lambda text, rc: _junit(j))(junit)
+    steps.append(Step(name, argv, 240 if name.startswith("kernel") else 200, pytest_env,
+                      parse))
+  shape = (["--preset", "tiny", "--workload", "dry", "--batch", "2", "--length", "16",
+            "--strategies", "greedy"]
+           if args.dry_run else ["--preset", "base", "--batch", "16", "--length", "64"])
+  steps.append(Step("attention_in_compiled_hlo", [py, "bench/gpu/checks.py", "attention",
+                                                  *shape], 150,
+                    parse=lambda text, rc: dict(result=(result_lines(text) or [None])[-1])))
+
+  def summarize(done):
+    s = by_name(done)
+    out = {}
+    for name in ("kernel_and_decoding_tests", "checkpoint_tests"):
+      if name in s:
+        r = s[name]
+        out[name] = {k: r.get(k) for k in ("returncode", "tests", "passed", "collected")
+                     if k in r}
+        out[name]["failed"] = [f["test"] for f in r.get("failed", [])]
+        out[name]["skipped"] = len(r.get("skipped", []))
+    a = (s.get("attention_in_compiled_hlo") or {}).get("result")
+    if a:
+      out["cudnn_in_train_step"] = a["cudnn_in_train_step"]
+      out["cudnn_in_decode"] = a["cudnn_in_decode"]
+      out["fmha_calls"] = {k: a[k]["fmha"] for k in ("train_step", "decode_greedy",
+                                                     "decode_beam4") if k in a}
+      out["attention_verdicts"] = a["verdicts"]
+    return out
+  return steps, summarize
+
+
+def _torch_skip(need_transformers: bool = False) -> str:
+  """Why the torch peer cannot run here ("" if it can)."""
+  for m in ("torch",) + (("transformers",) if need_transformers else ()):
+    if importlib.util.find_spec(m) is None:
+      return f"{m} is not installed"
+  return ""
+
+
+def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
+  py = sys.executable
+  steps = []
+  if args.dry_run:
+    presets, jax_kw = ["tiny"], ["--workload", "dry", "--steps", "1", "--warmup", "0",
+                                 "--peak_n", "128"]
+    torch_kw = ["--device", "cpu", "--workload", "dry", "--steps", "1", "--threads", "1",
+                "--peak_n", "128"]
+  else:
+    presets, jax_kw = ["small", "base", "big"], ["--workload", "gpu", "--steps", "6",
+                                                 "--warmup", "2", "--peak_n", "8192"]
+    torch_kw = ["--device", "cuda", "--workload", "gpu", "--steps", "6", "--peak_n", "8192"]
+  skip = _torch_skip()
+  for preset in presets:
+    steps.append(Step(f"jax_{preset}", [py, "bench/bench_train.py", "--presets", preset,
+                                        "--dtypes", "bfloat16", *jax_kw,
+                                        "--out", str(work / f"train_jax_{preset}.json")],
+                      200 if preset == "big" else 150,
+                      parse=(lambda p: lambda t, rc: _json_rows(p))(
+                          work / f"train_jax_{preset}.json")))
+    steps.append(Step(f"torch_{preset}", [py, "bench/bench_peers_torch.py", "--presets",
+                                          preset, "--modes", "train", "--dtypes", "bfloat16",
+                                          *torch_kw, "--out",
+                                          str(work / f"train_torch_{preset}.json")],
+                      120, skip=skip,
+                      parse=(lambda p: lambda t, rc: _json_rows(p))(
+                          work / f"train_torch_{preset}.json")))
+  compiled = presets[1] if len(presets) > 1 else presets[0]
+  steps.append(Step(f"torch_compiled_{compiled}",
+                    [py, "bench/bench_peers_torch.py", "--presets", compiled, "--modes",
+                     "train_compiled", "--dtypes", "bfloat16", *torch_kw, "--out",
+                     str(work / "train_torch_compiled.json")], 240,
+                    skip=skip or ("torch.compile takes minutes on a CPU" if args.dry_run
+                                  else ""),
+                    parse=lambda t, rc: _json_rows(work / "train_torch_compiled.json")))
+
+  def summarize(done):
+    rows = {}
+    for s in done:
+      for r in s.get("rows", []):
+        if not r.get("failed"):
+          rows[(r["preset"], r.get("mode", "jax"))] = r
+    out = {}
+    for (preset, mode), r in sorted(rows.items()):
+      out[f"{preset}/{mode}"] = {k: r.get(k) for k in (
+          "tokens_per_s", "step_s", "mfu", "mfu_datasheet", "matmul_peak_flops_per_s",
+          "compile_s", "first_step_s", "device_peak_bytes", "target_tokens_per_s")}
+    for preset in presets:
+      j, tr, tc = rows.get((preset, "jax")), rows.get((preset, "train")), \
+          rows.get((preset, "train_compiled"))
+      if j and (tr or tc):
+        best = max(x["tokens_per_s"] for x in (tr, tc) if x)
+        out[f"{preset}/jax_vs_best_torch"] = j["tokens_per_s"] / best
+    return out
+  return steps, summarize
+
+
+def _json_rows(path: Path) -> dict:
+  """The `results` rows (and `meta`) of a bench script's JSON."""
+  if not path.exists():
+    return dict(rows=[], json="missing")
+  d = json.loads(path.read_text())
+  return dict(rows=d.get("results", []), meta=d.get("meta", {}))
+
+
+def decode_speed(args, work: Path) -> tuple[list[Step], Callable]:
+  py = sys.executable
+  if args.dry_run:
+    jax_kw = ["--workload", "dry", "--models", "tiny", "--src_len", "8", "--new_tokens", "4",
+              "--repeats", "1", "--peak_n", "128", "--bandwidth_mb", "8"]
+    torch_kw = ["--device", "cpu", "--workload", "dry", "--presets", "tiny", "--steps", "1",
+                "--threads", "1", "--peak_n", "128"]
+  else:
+    jax_kw = ["--workload", "gpu", "--models", "base", "--repeats", "3", "--peak_n", "8192"]
+    torch_kw = ["--device", "cuda", "--workload", "gpu", "--presets", "base", "--steps", "3",
+                "--peak_n", "8192"]
+  steps = [
+      Step("jax", [py, "bench/bench_decode.py", "--modes", "cached", "--strategies",
+                   "greedy,beam4", "--dtype", "bfloat16", *jax_kw, "--out",
+                   str(work / "decode_jax.json")], 200,
+           parse=lambda t, rc: _json_rows(work / "decode_jax.json"))]
+  for dtype in ("bfloat16", "float16"):   # one step each: a cut-off keeps the first
+    path = work / f"decode_marian_{dtype}.json"
+    steps.append(Step(f"marian_{dtype}", [py, "bench/bench_peers_torch.py", "--modes",
+                                          "decode_cached", "--dtypes", dtype, "--strategies",
+                                          "greedy,beam4", *torch_kw, "--out", str(path)], 150,
+                      skip=_torch_skip(need_transformers=True),
+                      parse=(lambda p: lambda t, rc: _json_rows(p))(path)))
+  # The same loops with XLA's attention only: what cuDNN's (where it was chosen) brings.
+  steps.append(Step("jax_xla_attention", [*steps[0].argv[:-1], str(work / "decode_xla.json")],
+                    200, env={"SEQ2SEQ_ATTENTION": "xla"},
+                    skip="the jax step's command again" if args.dry_run else "",
+                    parse=lambda t, rc: _json_rows(work / "decode_xla.json")))
+
+  def summarize(done):
+    s = by_name(done)
+    out = {}
+    jax_rows = [(name, r) for name in ("jax", "jax_xla_attention")
+                for r in (s.get(name) or {}).get("rows", [])]
+    for name, r in jax_rows:
+      c = r.get("cached") or {}
+      out[f"{name}/{r['strategy']}"] = dict(tokens_per_s=c.get("tokens_per_s"),
+                                            compile_s=c.get("compile_s"), run_s=c.get("run_s"),
+                                            target=r.get("target_tokens_per_s"),
+                                            limit=(c.get("roofline") or {}).get(
+                                                "limit_tokens_per_s"))
+    jax_meta = (s.get("jax") or {}).get("meta") or {}
+    out["attention"] = jax_meta.get("attention")
+    for r in [r for k, v in s.items() if k.startswith("marian_") for r in v.get("rows", [])]:
+      if not r.get("failed"):
+        out[f"marian/{r['strategy']}/{r['dtype']}"] = dict(
+            tokens_per_s=r["tokens_per_s"], first_call_s=r["first_call_s"])
+    for strategy in ("greedy", "beam4"):
+      j = (out.get(f"jax/{strategy}") or {}).get("tokens_per_s")
+      m = [v["tokens_per_s"] for k, v in out.items() if k.startswith(f"marian/{strategy}/")]
+      if j and m:
+        out[f"{strategy}/jax_vs_best_marian"] = j / max(m)
+    return out
+  return steps, summarize
+
+
+def _bible_train_argv(args, work: Path, extra=()) -> list[str]:
+  data = Path(args.bible_dir)
+  argv = [sys.executable, "train.py", "--workdir", str(work / "bible"), "--config",
+          "bible_gpu", "--train_files", str(data / "train"), "--validation_files",
+          str(data / "validation"), "--test_files", str(data / "test"), "--data_dir",
+          str(work / "tfds"), "--no_progress"]
+  if args.dry_run:
+    argv += DRY_MODEL
+    if not any(a == "--steps" for a in extra):
+      argv += ["--steps", "2"]
+  return argv + list(extra)
+
+
+def _train_summary(text: str, rc: int) -> dict:
+  """train.py's closing lines: step, seconds, validation and test metrics."""
+  out = {}
+  m = re.search(r"trained to step (\d+) in (\d+) s", text)
+  if m:
+    out.update(step=int(m[1]), train_s=int(m[2]))
+  for split in ("validation", "test"):
+    m = re.search(rf"^{split}(?: \(at step \d+[^)]*\))?: loss ([\d.]+).*?BLEU ([\d.]+), chrF "
+                  rf"([\d.]+)", text, re.M)
+    if m:
+      out[split] = dict(loss=float(m[1]), bleu_greedy=float(m[2]), chrf=float(m[3]))
+  return out
+
+
+def _metrics(workdir: Path) -> dict:
+  """Median training tokens/s and the last train loss, from metrics.jsonl."""
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
+    return {}
+  rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+  train = [r for r in rows if r.get("split") == "train"]
+  speeds = sorted(r["tokens_per_sec"] for r in train if "tokens_per_sec" in r)
+  out = dict(train_rows=len(train))
+  if speeds:
+    out["median_tokens_per_s"] = speeds[len(speeds) // 2]
+  if train:
+    out["last_train_loss"] = train[-1].get("loss")
+  return out
+
+
+def _no_corpus(args) -> str:
+  """Why the Bible stages cannot run ("" if the corpus is there)."""
+  data = Path(args.bible_dir)
+  missing = [f"{data}/{s}.{l}" for s in ("train", "validation", "test") for l in ("en", "fr")
+             if not (ROOT / data / f"{s}.{l}").exists()]
+  return f"no corpus: {missing[0]} (python -m seq2seq.data.bible {data})" if missing else ""
+
+
+def bible(args, work: Path) -> tuple[list[Step], Callable]:
+  data = Path(args.bible_dir)
+  skip = _no_corpus(args)
+  hyp = work / "bible_test.hyp.fr"
+  if not skip:   # a new run each time (an earlier call's would only be evaluated again)
+    shutil.rmtree(work / "bible", ignore_errors=True)
+  steps = [
+      Step("train", _bible_train_argv(args, work), 330, skip=skip,
+           parse=lambda t, rc: dict(_train_summary(t, rc), metrics=_metrics(work / "bible"))),
+      Step("decode_test_beam4", [sys.executable, "decode.py", "--workdir", str(work / "bible"),
+                                 "--input", str(data / "test.en"), "--reference",
+                                 str(data / "test.fr"), "--beam_size", "4", "--no_progress"],
+           150, skip=skip, stdout_to=hyp, parse=lambda t, rc: _bleu(t, hyp))]
+
+  def summarize(done):
+    s = by_name(done)
+    tr, de = s.get("train") or {}, s.get("decode_test_beam4") or {}
+    out = {k: tr.get(k) for k in ("step", "train_s", "validation", "test") if k in tr}
+    out.update((tr.get("metrics") or {}))
+    out.update({k: de.get(k) for k in ("bleu", "chrf", "exact_match", "lines") if k in de})
+    if "bleu" in out:
+      out["meets_bleu_goal"] = out["bleu"] >= GOALS["bible_bleu"]
+    return out
+  return steps, summarize
+
+
+def _bleu(text: str, hyp: Path) -> dict:
+  m = re.search(r"BLEU ([\d.]+), chrF ([\d.]+)(?:, exact match ([\d.]+))?", text)
+  out = dict(lines=sum(1 for _ in open(hyp)) if hyp.exists() else 0)
+  if m:
+    out.update(bleu=float(m[1]), chrf=float(m[2]))
+    if m[3]:
+      out["exact_match"] = float(m[3])
+  return out
+
+
+def oom(args, work: Path) -> tuple[list[Step], Callable]:
+  workdir = work / "bible"
+  ckpt_dir = workdir / "checkpoints"
+  have_run = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+  corpus = _no_corpus(args)
+  steps = []
+  if not have_run:   # the bible stage did not run here: a short run to resume
+    steps.append(Step("first_run", _bible_train_argv(
+        args, work, [] if args.dry_run else ["--steps", "20",
+                                             "--config.train.checkpoint_every=10"]), 200,
+        skip=corpus))
+  check = [sys.executable, "bench/gpu/checks.py", "checkpoints", str(workdir)]
+  parse_check = lambda t, rc: dict(result=(result_lines(t) or [None])[-1])
+  steps.append(Step("checkpoints_before", check, 90, parse=parse_check, skip=corpus))
+  # A batch no GPU holds: the base model at 8192 rows of 64 tokens needs hundreds of GB
+  # of activations. The dry run keeps its tiny batch (a CPU must not run out; its programs
+  # are then in the compile cache).
+  batch = "4" if args.dry_run else "8192"
+  latest = max([int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()], default=0) \
+      if have_run else (2 if args.dry_run else 20)
+  steps.append(Step("too_large_batch", _bible_train_argv(
+      args, work, ["--steps", str(latest + (1 if args.dry_run else 10)),
+                   f"--config.train.batch_size={batch}"]), 180, skip=corpus,
+      parse=_last_lines))
+  steps.append(Step("checkpoints_after", check, 90, parse=parse_check, skip=corpus))
+
+  def summarize(done):
+    s = by_name(done)
+    run = s.get("too_large_batch") or {}
+    before = ((s.get("checkpoints_before") or {}).get("result") or {})
+    after = ((s.get("checkpoints_after") or {}).get("result") or {})
+    out = dict(batch_size=int(batch), exit_code=run.get("returncode"),
+               last_line=run.get("last_line"), traceback=run.get("traceback"),
+               lines_of_stderr=run.get("lines"))
+    if before and after:
+      b, a = before.get("checkpoints", {}), after.get("checkpoints", {})
+      out["checkpoints_before"] = before.get("steps")
+      out["checkpoints_after"] = after.get("steps")
+      out["all_load_after"] = after.get("all_load")
+      out["checkpoints_intact"] = bool(b) and all(
+          a.get(k, {}).get("sha256") == v.get("sha256") for k, v in b.items())
+    out["meets_goal"] = (out["exit_code"] == GOALS["oom_exit_code"] and not out["traceback"]
+                         and bool(out.get("checkpoints_intact")))
+    return out
+  return steps, summarize
+
+
+def _last_lines(text: str, rc: int) -> dict:
+  lines = [l for l in text.splitlines() if l.strip()]
+  return dict(last_line=lines[-1] if lines else "", lines=len(lines),
+              traceback="Traceback (most recent call last)" in text)
+
+
+STAGE_BUILDERS = dict(correctness=correctness, train_speed=train_speed,
+                      decode_speed=decode_speed, bible=bible, oom=oom)
+
+
+# --- the machine ---------------------------------------------------------------------------------
+
+ENV_SCRIPT = r"""
+import importlib, json, sys
+out = {"python": sys.version.split()[0], "imports": {}}
+for m in %r:
+  try:
+    importlib.import_module(m)
+    out["imports"][m] = "ok"
+  except Exception as e:
+    out["imports"][m] = f"{type(e).__name__}: {e}"
+import jax
+out.update(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
+           device_kind=jax.devices()[0].device_kind)
+try:
+  from jax._src.lib import cuda_versions
+  out["cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
+except Exception as e:
+  out["cudnn"] = f"{type(e).__name__}: {e}"
+try:
+  out["memory_stats"] = {k: v for k, v in (jax.devices()[0].memory_stats() or {}).items()
+                         if k in ("bytes_limit", "bytes_in_use")}
+except Exception:
+  pass
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def machine(runner: Runner, dry_run: bool) -> dict:
+  out = dict(versions={n: _installed(n) for n in VERSIONS})
+  smi = shutil.which("nvidia-smi")
+  if smi:
+    p = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version,clocks.sm,"
+                        "clocks.max.sm,temperature.gpu,power.draw,power.limit",
+                        "--format=csv"], capture_output=True, text=True, timeout=30)
+    out["nvidia_smi"] = p.stdout.strip() or p.stderr.strip()
+    runner.say(out["nvidia_smi"])
+  else:
+    out["nvidia_smi"] = "absent"
+  rec = runner.step(Step("jax_devices", [sys.executable, "-c",
+                                         ENV_SCRIPT % (("seq2seq",) + NEEDED_MODULES,)], 120,
+                         parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1])))
+  out["jax"] = rec.get("result") or dict(returncode=rec.get("returncode"), tail=rec.get("tail"))
+  runner.say("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items() if v))
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("stages", help=f"comma-separated: {', '.join(STAGES)}, or all")
+  ap.add_argument("--dry_run", action="store_true", help="tiny sizes on the CPU")
+  ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench/results/gpu"))
+  ap.add_argument("--work", default="/tmp/seq2seq-gpu")
+  ap.add_argument("--deadline_s", type=float, default=3600.0,
+                  help="the whole command's time; steps that cannot start are skipped")
+  ap.add_argument("--bible_dir", default="data/bible")
+  ap.add_argument("--wheels", default=str(ROOT / ".whl"))
+  ap.add_argument("--site", default="/tmp/site")
+  args = ap.parse_args(argv)
+  stages = list(STAGES) if args.stages == "all" else args.stages.split(",")
+  bad = [s for s in stages if s not in STAGES]
+  if bad:
+    print(f"error: unknown stage {bad[0]!r}; choose from {', '.join(STAGES)} or all",
+          file=sys.stderr)
+    return 2
+  out, work = Path(args.out), Path(args.work)
+  out.mkdir(parents=True, exist_ok=True)
+  work.mkdir(parents=True, exist_ok=True)
+  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             HF_HUB_OFFLINE="1", TFDS_DATA_DIR=str(work / "tfds"))
+  if args.dry_run:   # XLA:CPU's quicker compiles: the dry run times nothing
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                                 "--xla_llvm_disable_expensive_passes=true"]).strip()
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # a resume's programs: cached
+  runner = Runner(out, work, args.deadline_s, env, args.dry_run)
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, runner.stop)
+  installed = install_wheels(Path(args.wheels), Path(args.site), runner.log)
+  runner.say(f"wheels: {json.dumps(installed)}")
+  paths = [str(ROOT)] + ([args.site] if installed.get("done") else [])
+  if installed.get("done"):   # so that run.json's versions see them too
+    sys.path.insert(0, args.site)
+    importlib.invalidate_caches()
+  env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+  runner.run.update(stages_asked=stages, wheels=installed, machine=machine(runner,
+                                                                           args.dry_run))
+  runner.write("run.json", runner.run)
+  for stage in stages:
+    runner.say(f"=== {stage}")
+    steps, summarize = STAGE_BUILDERS[stage](args, work)
+    rec = run_stage(runner, stage, steps, summarize)
+    runner.say(f"=== {stage}: {rec['status']} in {rec['seconds']} s: "
+               f"{json.dumps(rec['summary'], default=str)[:1500]}")
+  runner.run["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+  runner.write("run.json", runner.run)
+  runner.say("\n".join(f"{s}: {v['status']} ({v['seconds']} s)"
+                       for s, v in runner.run["stages"].items()))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
