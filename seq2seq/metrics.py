@@ -8,6 +8,7 @@ import time
 
 import sacrebleu
 
+from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
 
@@ -31,9 +32,19 @@ def exact_match(hypotheses: list[str], references: list[str]) -> float:
   return sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / len(hypotheses)
 
 
+class LogWriteError(UserError):
+  """The run's log could not be written (a full disk): the run stops as when a checkpoint
+  cannot be written, and nothing more is logged."""
+
+
 class MetricsWriter:
-  """Appends `{"step", "time", "split", ...}` lines to metrics.jsonl and scalars to
-  TensorBoard event files. Only process 0 writes (others get a writer that does nothing)."""
+  """Appends `{"step", "time", "split", ...}` lines to metrics.jsonl and scalars to a
+  TensorBoard event file. Only process 0 writes (others get a writer that does nothing).
+
+  Both files are appended to on the caller's thread, each write opened and closed: a full
+  disk is one LogWriteError there, after which nothing more is written (tensorboardX's
+  SummaryWriter writes from a thread of its own, which a full disk ends with a traceback,
+  and its queue, no longer read, then blocks the run)."""
 
   def __init__(self, workdir: Workdir | str | os.PathLike, enabled: bool = True):
     self.enabled = enabled
@@ -48,8 +59,11 @@ class MetricsWriter:
         if f.read(1) != b"\n":
           f.write(b"\n")
     try:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(str(wd.tensorboard), flush_secs=30)
+      import socket
+      from tensorboardX.proto.event_pb2 import Event
+      wd.tensorboard.mkdir(exist_ok=True)
+      self._tb = wd.tensorboard / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+      self._append(self._tb, _record(Event(wall_time=time.time(), file_version="brain.Event:2")))
     except Exception:  # TensorBoard is a nicety; the JSON log is the record.
       self._tb = None
 
@@ -58,15 +72,36 @@ class MetricsWriter:
       return
     row = {"step": int(step), "time": round(time.time(), 3), "split": split}
     row.update({k: float(v) for k, v in scalars.items()})
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    self._append(self.path, (json.dumps(row) + "\n").encode())
     if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+      from tensorboardX.proto.event_pb2 import Event
+      from tensorboardX.summary import scalar
+      self._append(self._tb, b"".join(
+          _record(Event(wall_time=row["time"], step=int(step),
+                        summary=scalar(f"{split}/{k}", float(v)))) for k, v in scalars.items()))
+
+  def _append(self, path, data: bytes) -> None:
+    try:
+      with open(path, "ab") as f:
+        f.write(data)
+    except OSError as e:
+      self.enabled = False
+      raise LogWriteError(f"cannot write {path}: {e.strerror or e} (the checkpoints saved "
+                          f"before it are intact)") from None
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
+    """Nothing is left to write: each write closed its files."""
+    self.enabled = False
+
+
+def _record(event) -> bytes:
+  """`event` as a TFRecord: its length, the length's masked CRC-32C, the data, its CRC."""
+  import struct
+  from tensorboardX.record_writer import masked_crc32c
+  data = event.SerializeToString()
+  header = struct.pack("Q", len(data))
+  return (header + struct.pack("I", masked_crc32c(header)) + data
+          + struct.pack("I", masked_crc32c(data)))
 
 
 def read_metrics(workdir: Workdir | str | os.PathLike) -> list[dict]:

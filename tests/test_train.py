@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -602,6 +603,99 @@ def test_a_full_disk_is_one_line_and_the_next_run_resumes(corpus, trained, tmp_p
   assert "warning: moved the unfinished checkpoint" in p.stderr and "(step 30)" in p.stderr
   assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [20, 30, 40]
   assert list((workdir / "checkpoints_unreadable").glob("40.orbax-checkpoint-tmp*"))
+
+
+# A file system of its own, really full: a tmpfs mounted in a private user and mount
+# namespace (`unshare`, no root needed), holding DIR/disk/w (a copy of DIR/w) and a filler
+# that leaves FREE KiB; the command runs there, then the workdir is copied back to DIR/w.
+FULL_DISK = r"""set -u
+dir=$1 free=$2; shift 2
+mount -t tmpfs -o size=8m tmpfs "$dir/disk" || exit 99
+cp -a "$dir/w" "$dir/disk/w" && rm -rf "$dir/w"
+head -c 16m /dev/zero > "$dir/disk/filler" 2>/dev/null        # fails once the disk is full
+truncate -s -"${free}k" "$dir/disk/filler"
+"$@"
+rc=$?
+cp -a "$dir/disk/w" "$dir/w"
+exit $rc
+"""
+
+
+def on_a_full_disk(tmp_path, free_kib, command, timeout=240):
+  """Runs `command` (which finds the workdir at tmp_path/disk/w) on a full file system."""
+  (tmp_path / "disk").mkdir()
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
+                      FULL_DISK, "full_disk", str(tmp_path), str(free_kib), *command],
+                     env=env, text=True, capture_output=True, timeout=timeout, cwd=str(ROOT))
+  if p.returncode == 99 or (p.returncode == 1 and "unshare" in p.stderr):
+    pytest.skip(f"cannot mount a file system of its own here: {p.stderr.strip()[-300:]}")
+  return p
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare (util-linux)")
+def test_a_really_full_disk_is_one_line_and_the_checkpoints_still_load(corpus, trained,
+                                                                       tmp_path):
+  """The disk fills during the save of step 40: one line, exit 2, no traceback (the
+  TensorBoard writer used to write to the full disk after the checkpoint error: exit 1,
+  three tracebacks); nothing logged after it; the checkpoints before it load; unlocked."""
+  shutil.copytree(trained[0], tmp_path / "w")
+  p = on_a_full_disk(tmp_path, 64, [sys.executable, str(ROOT / "train.py"), *tiny_args(
+      corpus, tmp_path / "disk" / "w", trained[1], steps=40)])
+  assert p.returncode == 2, p.stderr[-3000:]
+  assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr[-3000:]
+  assert p.stderr.strip().splitlines()[-1] == (
+      f"error: cannot write checkpoint {tmp_path / 'disk' / 'w' / 'checkpoints' / '40'}: No "
+      f"space left on device (the checkpoints saved before it are intact)"), p.stderr[-2000:]
+  workdir = tmp_path / "w"
+  assert ckpt_lib.Checkpoints(workdir, read_only=True).steps() == [10, 20, 30]
+  for step in (10, 20, 30):
+    assert tree_hash(workdir / "checkpoints" / str(step)) == \
+        tree_hash(trained[0] / "checkpoints" / str(step))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params_of(workdir),
+                         params_of(trained[0]))
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["split"], r["step"]) for r in rows if r["step"] > 30] == [("train", 35),
+                                                                      ("train", 40)]
+  assert not (workdir / "train.lock").exists()
+
+
+FILL_THE_LOG = """
+import json, sys
+from seq2seq.metrics import MetricsWriter
+from seq2seq.errors import UserError
+w, n, said = MetricsWriter(sys.argv[1]), 0, None
+try:
+  while n < 100000:
+    w.write(n, "train", {"loss": 1.0 / (n + 1), "accuracy": 0.5})
+    n += 1
+except UserError as e:
+  said = str(e)
+w.write(n + 1, "train", {"loss": 0.0})   # after the failure: nothing, quietly
+w.close()
+print(json.dumps({"rows": n, "error": said}))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare (util-linux)")
+def test_the_log_on_a_really_full_disk_is_one_error_then_silence(tmp_path):
+  """metrics.jsonl and the TensorBoard file fill the disk: the write that fails raises one
+  UserError naming the file and the full disk (train.py: one line, exit 2), and the
+  writer writes nothing after it, nor fails again."""
+  (tmp_path / "w").mkdir()
+  p = on_a_full_disk(tmp_path, 32, [sys.executable, "-c", FILL_THE_LOG,
+                                    str(tmp_path / "disk" / "w")], timeout=120)
+  assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+  out = json.loads(p.stdout.strip().splitlines()[-1])
+  assert 10 < out["rows"] < 100000, out
+  assert out["error"] is not None and out["error"].startswith(
+      f"cannot write {tmp_path / 'disk' / 'w'}/"), out
+  assert out["error"].endswith(": No space left on device (the checkpoints saved before it "
+                               "are intact)"), out
+  rows = (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(r)["step"] for r in rows[:-1]] == list(range(len(rows) - 1))
+  assert f'"step": {out["rows"] + 1},' not in rows[-1]    # nothing after the failure
 
 
 @pytest.mark.parametrize("what", ["checkpoints", "metrics.jsonl"])
