@@ -15,6 +15,7 @@ and checks the directory, takes its lock, and removes what a refused run wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -137,11 +138,17 @@ class Workdir:
       raise UserError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
 
   def write_config(self, cfg: Config) -> None:
-    """Atomic write (temp file + rename): a crash never leaves half a config."""
+    """Atomic write (temp file + rename): a crash never leaves half a config, nor does a
+    full disk (a UserError; the config before it stays)."""
     path = self.config
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(cfg.to_json())
-    os.replace(tmp, path)
+    try:
+      tmp.write_text(cfg.to_json())
+      os.replace(tmp, path)
+    except OSError as e:
+      with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+      raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
   # --- a run in it ----------------------------------------------------------------------
 

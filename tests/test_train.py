@@ -674,7 +674,14 @@ except UserError as e:
   said = str(e)
 w.write(n + 1, "train", {"loss": 0.0})   # after the failure: nothing, quietly
 w.close()
-print(json.dumps({"rows": n, "error": said}))
+from seq2seq.config import get_experiment
+from seq2seq.workdir import Workdir
+try:
+  Workdir(sys.argv[1]).write_config(get_experiment("tiny"))
+  config = None
+except UserError as e:
+  config = str(e)
+print(json.dumps({"rows": n, "error": said, "config": config}))
 """
 
 
@@ -682,7 +689,7 @@ print(json.dumps({"rows": n, "error": said}))
 def test_the_log_on_a_really_full_disk_is_one_error_then_silence(tmp_path):
   """metrics.jsonl and the TensorBoard file fill the disk: the write that fails raises one
   UserError naming the file and the full disk (train.py: one line, exit 2), and the
-  writer writes nothing after it, nor fails again."""
+  writer writes nothing after it, nor fails again. config.json, then, is a UserError too."""
   (tmp_path / "w").mkdir()
   p = on_a_full_disk(tmp_path, 32, [sys.executable, "-c", FILL_THE_LOG,
                                     str(tmp_path / "disk" / "w")], timeout=120)
@@ -696,6 +703,9 @@ def test_the_log_on_a_really_full_disk_is_one_error_then_silence(tmp_path):
   rows = (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(r)["step"] for r in rows[:-1]] == list(range(len(rows) - 1))
   assert f'"step": {out["rows"] + 1},' not in rows[-1]    # nothing after the failure
+  assert out["config"] == (f"cannot write {tmp_path / 'disk' / 'w' / 'config.json'}: No space "
+                           f"left on device")   # and no half-written config.json.tmp:
+  assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["metrics.jsonl", "tensorboard"]
 
 
 @pytest.mark.parametrize("what", ["checkpoints", "metrics.jsonl"])
