@@ -12,7 +12,7 @@ import numpy as np
 from seq2seq import metrics as metrics_lib
 from seq2seq.config import Config
 from seq2seq.kernels import malloc
-from seq2seq.steps import Trainer
+from seq2seq.steps import Trainer, raise_if_out_of_memory
 
 
 def evaluate_loss(trainer: Trainer, params, ds, split: str, max_examples: int = 0) -> dict:
@@ -82,8 +82,12 @@ def run_eval(trainer: Trainer, cfg: Config, state, ds, split: str, writer, step:
   n = 0 if final else cfg.train.num_eval_examples
   t0 = time.time()
   malloc.release_freed_memory()   # the train steps' kept buffers, before the evaluation's
-  m = evaluate_loss(trainer, state.params, ds, split, n)
-  tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split, n)
+  try:
+    m = evaluate_loss(trainer, state.params, ds, split, n)
+    tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split, n)
+  except jax.errors.JaxRuntimeError as e:   # its batch too large for the device: one line
+    raise_if_out_of_memory(e, cfg, trainer.data_parallel, evaluation=True)
+    raise
   malloc.release_freed_memory()   # and the evaluation's, before the next train step
   m.update(tm, seconds=time.time() - t0)
   writer.write(step, split, m)

@@ -1,7 +1,10 @@
 """The steps: the loss, one training update and one evaluation of a batch, and `Trainer`,
 which jits them over a Mesh. `check_runnable` says before a run writes anything whether
-its mesh and batch fit these devices and hosts."""
+its mesh and batch fit these devices and hosts; `raise_if_out_of_memory`, when a step ran
+out of device memory, which batch did and what it could not get."""
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -170,3 +173,56 @@ def check_runnable(cfg: Config) -> None:
   if t.batch_size % devices:   # each device takes an equal part of every batch
     raise UserError(f"batch_size {t.batch_size} must be divisible by the number of devices "
                     f"({devices})")
+
+
+class OutOfMemory(UserError):
+  """A step could not get the device memory it needs (XLA's RESOURCE_EXHAUSTED): its batch
+  is too large for the device."""
+
+
+def raise_if_out_of_memory(e: BaseException, cfg: Config, devices: int,
+                           evaluation: bool = False) -> None:
+  """OutOfMemory in one line, naming the batch of the training step (or of the evaluation)
+  and the memory XLA could not allocate, if `e` is XLA's RESOURCE_EXHAUSTED; else nothing.
+  Called where a step's error arrives: no checkpoint is written after it."""
+  text = str(e)
+  if not (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in text):
+    return
+  t = cfg.train
+  if evaluation:
+    what = f"the evaluation on batches of {t.eval_batch_size} rows (train.eval_batch_size)"
+    fix = "lower --config.train.eval_batch_size"
+  else:
+    split = [f"{t.batch_size // devices} rows on each of {devices} devices"] * (devices > 1)
+    split += [f"in {t.grad_accum_steps} micro-batches"] * (t.grad_accum_steps > 1)
+    what = (f"the training step on a batch of {t.batch_size} × {t.seq_len} tokens "
+            f"(train.batch_size × seq_len{'; ' if split else ''}{', '.join(split)})")
+    fix = ("lower --config.train.batch_size or raise --config.train.grad_accum_steps (the "
+           "same batch in micro-batches, in less memory)")
+  raise OutOfMemory(f"out of memory: {what} could not allocate {_wanted(text)}"
+                    f"{_device_memory()}; {fix}; the checkpoints saved before it are "
+                    f"intact") from None
+
+
+def _wanted(text: str) -> str:
+  """What XLA's message says it could not allocate: "Out of memory while trying to allocate
+  N bytes" (GPU; "allocating" on CPU), "Failed to allocate request for 3.00GiB (N B)",
+  TPU's "Used 20.53G of 15.48G hbm"."""
+  n = re.search(r"(\d{4,}) ?(?:bytes|B\b)", text)
+  if n:
+    return f"{int(n[1]) / 2 ** 30:.1f} GiB ({int(n[1]):,} bytes)"
+  used = re.search(r"Used ([\d.]+\s*[KMGT]i?B?) of ([\d.]+\s*[KMGT]i?B?) (\w+)", text)
+  if used:
+    return f"{used[1]} (of {used[2]} {used[3]})"
+  return f"the memory it needs (XLA's message names no size: {text.splitlines()[0][:160]})"
+
+
+def _device_memory() -> str:
+  """", of the N GiB JAX may use on each <device>" where JAX knows it (not on CPU)."""
+  try:
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:
+    return ""
+  return (f", of the {limit / 2 ** 30:.1f} GiB JAX may use on each {device.device_kind}"
+          if limit else "")

@@ -26,7 +26,8 @@ from seq2seq.evaluate import run_eval
 from seq2seq.kernels import malloc
 from seq2seq.lock import WorkdirLock, WorkdirLocked
 from seq2seq.state import schedule
-from seq2seq.steps import NO_STEP, Trainer, accumulate, check_runnable
+from seq2seq.steps import (NO_STEP, Trainer, accumulate, check_runnable,
+                           raise_if_out_of_memory)
 from seq2seq.workdir import Workdir
 
 # Importable from here as before the steps and the workdir's preparation moved.
@@ -187,6 +188,9 @@ def train(cfg: Config, workdir: Workdir | str | os.PathLike, *, progress: bool =
   try:
     return _loop(cfg, wd, ds, trainer, ckpts, state, start, resuming, lock, progress,
                  on_log, t_start)
+  except jax.errors.JaxRuntimeError as e:   # a batch too large for the device: one line
+    raise_if_out_of_memory(e, cfg, trainer.data_parallel)
+    raise
   finally:
     if lock is not None:
       lock.release()

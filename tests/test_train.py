@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -706,6 +707,68 @@ def test_the_log_on_a_really_full_disk_is_one_error_then_silence(tmp_path):
   assert out["config"] == (f"cannot write {tmp_path / 'disk' / 'w' / 'config.json'}: No space "
                            f"left on device")   # and no half-written config.json.tmp:
   assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["metrics.jsonl", "tensorboard"]
+
+
+def test_a_batch_too_large_for_memory_is_one_line_and_the_checkpoints_stay(corpus, trained,
+                                                                          tmp_path):
+  """A resume with a batch the memory cannot hold: one line naming the batch and what XLA
+  could not allocate, exit 2, no checkpoint written, those before it unchanged, unlocked.
+  The address space is capped (ulimit -v, 6 GB: the run needs under 2) so that XLA:CPU's
+  allocation of the step's 21 GB fails with RESOURCE_EXHAUSTED, as XLA:GPU's does on a GPU."""
+  workdir = tmp_path / "w"
+  shutil.copytree(trained[0], workdir)
+  before = tree_hash(workdir / "checkpoints")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run(["bash", "-c", 'ulimit -v 6000000 && exec "$0" "$@"', sys.executable,
+                      str(ROOT / "train.py"), *tiny_args(
+                          corpus, workdir, trained[1], 40,
+                          ["--config.train.batch_size=65536"])],
+                     env=env, text=True, capture_output=True, timeout=240, cwd=str(ROOT))
+  assert p.returncode == 2, p.stderr[-3000:]
+  assert "Traceback" not in p.stderr, p.stderr[-3000:]
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: out of memory: the training step on a batch of 65536 × 32 "
+                         "tokens (train.batch_size × seq_len) could not allocate "), last
+  needed = re.search(r"could not allocate ([\d.]+) GiB \(([\d,]+) bytes\)", last)
+  assert needed and int(needed[2].replace(",", "")) > 6e9, last
+  assert last.endswith("; lower --config.train.batch_size or raise "
+                       "--config.train.grad_accum_steps (the same batch in micro-batches, in "
+                       "less memory); the checkpoints saved before it are intact"), last
+  assert tree_hash(workdir / "checkpoints") == before
+  params_of(workdir)
+  assert not (workdir / "train.lock").exists()
+
+
+@pytest.mark.parametrize("message, says", [
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 26843545600 bytes.",
+     "could not allocate 25.0 GiB (26,843,545,600 bytes)"),
+    ("RESOURCE_EXHAUSTED: Failed to allocate request for 3.00GiB (3221225472B) on device "
+     "ordinal 0", "could not allocate 3.0 GiB (3,221,225,472 bytes)"),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+     "hbm. Used 20.53G of 15.48G hbm. Exceeded hbm capacity by 5.05G.",
+     "could not allocate 20.53G (of 15.48G hbm)"),
+    ("RESOURCE_EXHAUSTED: ran out of something", "could not allocate the memory it needs "
+     "(XLA's message names no size: RESOURCE_EXHAUSTED: ran out of something)"),
+])
+def test_out_of_memory_names_the_batch_and_the_memory(message, says):
+  """XLA's words for it on GPU and TPU (JAX's own exception type; on CPU the test above
+  makes a real one), as the training step and the evaluation say them."""
+  from seq2seq.steps import OutOfMemory, raise_if_out_of_memory
+  cfg = override(get_experiment("base"), ["train.batch_size=256", "train.grad_accum_steps=2"])
+  with pytest.raises(OutOfMemory) as e:
+    raise_if_out_of_memory(jax.errors.JaxRuntimeError(message), cfg, devices=8)
+  assert str(e.value).startswith("out of memory: the training step on a batch of 256 × 256 "
+                                 "tokens (train.batch_size × seq_len; 32 rows on each of 8 "
+                                 "devices, in 2 micro-batches) " + says), str(e.value)
+  with pytest.raises(OutOfMemory) as e:
+    raise_if_out_of_memory(jax.errors.JaxRuntimeError(message), cfg, 8, evaluation=True)
+  assert str(e.value).startswith("out of memory: the evaluation on batches of 64 rows "
+                                 "(train.eval_batch_size) " + says), str(e.value)
+  assert "; lower --config.train.eval_batch_size;" in str(e.value)
+  # other runtime errors are not its business
+  raise_if_out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: something else"), cfg, 8)
+  raise_if_out_of_memory(MemoryError("RESOURCE_EXHAUSTED"), cfg, 8)
 
 
 @pytest.mark.parametrize("what", ["checkpoints", "metrics.jsonl"])
