@@ -130,6 +130,26 @@ def test_the_dry_run_trains_decodes_and_resumes_with_another_batch(dry_run):
   assert o["checkpoints_before"] == [1, 2] and o["checkpoints_after"] == [1, 2, 3]
   assert o["checkpoints_intact"] and o["all_load_after"]
   assert o["meets_goal"] is False          # exit 0 is not the one-line exit 2 asked for
+  assert o["names_batch_and_memory"] is False
+
+
+def test_the_oom_stage_knows_train_pys_line_for_a_batch_too_large():
+  """What the oom stage looks for in the last line is what train.py says (on a GPU: XLA's
+  "Out of memory while trying to allocate N bytes")."""
+  from seq2seq.config import get_experiment, override
+  from seq2seq.steps import OutOfMemory, raise_if_out_of_memory
+  cfg = override(get_experiment("bible_gpu"), ["train.batch_size=8192"])
+  said = []
+  for message in ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 "
+                  "bytes.", "RESOURCE_EXHAUSTED: out of something"):
+    with pytest.raises(OutOfMemory) as e:
+      raise_if_out_of_memory(jax.errors.JaxRuntimeError(message), cfg, devices=1)
+    said.append(f"error: {e.value}")
+  assert gpu_run.names_batch_and_memory(said[0], 8192)
+  assert not gpu_run.names_batch_and_memory(said[0], 4096)
+  assert not gpu_run.names_batch_and_memory(said[1], 8192)   # no size: not what was asked
+  assert not gpu_run.names_batch_and_memory("translate with: python decode.py ...", 8192)
+  assert not gpu_run.names_batch_and_memory(None, 8192)
 
 
 # --- what the dry run cannot reach ------------------------------------------------------------

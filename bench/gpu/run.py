@@ -31,7 +31,8 @@ Stages (see docs/performance.md, "GPU"):
   bible         train.py --config bible_gpu on --bible_dir (the corpus of
                 `python -m seq2seq.data.bible`), then decode.py beam 4 on its test split
   oom           a resume of that run with a batch too large for the GPU: exit code, last
-                line of standard error, and whether every checkpoint still loads
+                line of standard error (does it name the batch and the memory?), and
+                whether every checkpoint still loads
 Every step runs under its own time limit; --deadline_s bounds the whole command (a step
 that cannot start with 20 s left is skipped, and a step's limit is cut to what is left).
 
@@ -643,7 +644,8 @@ def oom(args, work: Path) -> tuple[list[Step], Callable]:
     after = ((s.get("checkpoints_after") or {}).get("result") or {})
     out = dict(batch_size=int(batch), exit_code=run.get("returncode"),
                last_line=run.get("last_line"), traceback=run.get("traceback"),
-               lines_of_stderr=run.get("lines"))
+               lines_of_stderr=run.get("lines"),
+               names_batch_and_memory=names_batch_and_memory(run.get("last_line"), int(batch)))
     if before and after:
       b, a = before.get("checkpoints", {}), after.get("checkpoints", {})
       out["checkpoints_before"] = before.get("steps")
@@ -652,9 +654,17 @@ def oom(args, work: Path) -> tuple[list[Step], Callable]:
       out["checkpoints_intact"] = bool(b) and all(
           a.get(k, {}).get("sha256") == v.get("sha256") for k, v in b.items())
     out["meets_goal"] = (out["exit_code"] == GOALS["oom_exit_code"] and not out["traceback"]
+                         and out["names_batch_and_memory"]
                          and bool(out.get("checkpoints_intact")))
     return out
   return steps, summarize
+
+
+def names_batch_and_memory(line: str | None, batch: int) -> bool:
+  """Whether `line` is train.py's one line for a batch too large for the device
+  (seq2seq.steps.raise_if_out_of_memory) naming `batch` rows and a size it could not get."""
+  return re.match(rf"error: out of memory: .*\bbatch of {batch} × \d+ tokens .*could not "
+                  rf"allocate [\d.]+ ?[KMGT]", line or "") is not None
 
 
 def _last_lines(text: str, rc: int) -> dict:
