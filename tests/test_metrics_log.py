@@ -82,3 +82,47 @@ def test_plot_metrics_bad_input_is_one_line(tmp_path):
     lines = p.stderr.strip().splitlines()  # the error, after the reader's warning if any
     assert "Traceback" not in p.stderr and lines[-1].startswith("error:"), p.stderr
     assert all(l.startswith("warning:") for l in lines[:-1]), p.stderr
+
+
+def _events(path):
+  """The events of a TensorBoard file, each record's framing and checksums checked."""
+  import struct
+  from tensorboardX.proto.event_pb2 import Event
+  from tensorboardX.record_writer import masked_crc32c
+  data, i, events = path.read_bytes(), 0, []
+  while i < len(data):
+    header = data[i:i + 8]
+    (n,) = struct.unpack("Q", header)
+    assert struct.unpack("I", data[i + 8:i + 12])[0] == masked_crc32c(header)
+    body = data[i + 12:i + 12 + n]
+    assert struct.unpack("I", data[i + 12 + n:i + 16 + n])[0] == masked_crc32c(body)
+    events.append(Event.FromString(body))
+    i += 16 + n
+  return events
+
+
+def test_the_tensorboard_file_holds_what_tensorboardxs_own_writer_writes(tmp_path):
+  """The scalars, written on the caller's thread, as records and events like those of
+  tensorboardX's SummaryWriter (but for the times)."""
+  from tensorboardX import SummaryWriter
+  (tmp_path / "ours").mkdir()
+  ours = MetricsWriter(tmp_path / "ours")
+  theirs = SummaryWriter(str(tmp_path / "theirs"))
+  for step, split, scalars in ((5, "train", {"loss": 2.5, "accuracy": 0.25}),
+                               (10, "validation", {"bleu": 3.0})):
+    ours.write(step, split, scalars)
+    for k, v in scalars.items():
+      theirs.add_scalar(f"{split}/{k}", v, step)
+  ours.close()
+  theirs.close()
+
+  def timeless(d):
+    (path,) = (d / "tensorboard" if d.name == "ours" else d).glob("events.out.tfevents.*")
+    events = _events(path)
+    for e in events:
+      assert e.wall_time > 1e9
+      e.wall_time = 0
+    return events
+  assert timeless(tmp_path / "ours") == timeless(tmp_path / "theirs")
+  assert [(e.step, e.summary.value[0].tag) for e in timeless(tmp_path / "ours")[1:]] == [
+      (5, "train/loss"), (5, "train/accuracy"), (10, "validation/bleu")]
