@@ -53,17 +53,22 @@ class MetricsWriter:
       return
     wd = Workdir.of(workdir)
     self.path = wd.metrics
-    if self.path.exists() and self.path.stat().st_size:
-      with open(self.path, "rb+") as f:  # a run killed mid-line: end that line, keep the rest
-        f.seek(-1, 2)
-        if f.read(1) != b"\n":
-          f.write(b"\n")
+    try:
+      if self.path.exists() and self.path.stat().st_size:
+        with open(self.path, "rb+") as f:  # a run killed mid-line: end that line, keep the rest
+          f.seek(-1, 2)
+          if f.read(1) != b"\n":
+            f.write(b"\n")
+    except OSError as e:
+      raise _write_error(self.path, e) from None
     try:
       import socket
       from tensorboardX.proto.event_pb2 import Event
       wd.tensorboard.mkdir(exist_ok=True)
-      self._tb = wd.tensorboard / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-      self._append(self._tb, _record(Event(wall_time=time.time(), file_version="brain.Event:2")))
+      tb = wd.tensorboard / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+      with open(tb, "ab") as f:
+        f.write(_record(Event(wall_time=time.time(), file_version="brain.Event:2")))
+      self._tb = tb
     except Exception:  # TensorBoard is a nicety; the JSON log is the record.
       self._tb = None
 
@@ -86,12 +91,16 @@ class MetricsWriter:
         f.write(data)
     except OSError as e:
       self.enabled = False
-      raise LogWriteError(f"cannot write {path}: {e.strerror or e} (the checkpoints saved "
-                          f"before it are intact)") from None
+      raise _write_error(path, e) from None
 
   def close(self) -> None:
     """Nothing is left to write: each write closed its files."""
     self.enabled = False
+
+
+def _write_error(path, e: OSError) -> LogWriteError:
+  return LogWriteError(f"cannot write {path}: {e.strerror or e} (the checkpoints saved before "
+                       f"it are intact)")
 
 
 def _record(event) -> bytes:
