@@ -208,26 +208,12 @@ class EncoderLayer(nn.Module):
     return self.ffn_norm(x_BxSxD, lambda h: self.ffn(h, train), train)
 
 
-def write_cache(cache_BxHxLxDh: jax.Array, new_BxHxTxDh: jax.Array, index) -> jax.Array:
-  """The KV cache with `new` written at slots index, index + 1, ...: `index` a scalar (every
-  row at the same position) or [B] (each row at its own, as when rows hold sentences that
-  started at different steps)."""
-  new_BxHxTxDh = new_BxHxTxDh.astype(cache_BxHxLxDh.dtype)
-  if jnp.ndim(index) == 0:
-    return jax.lax.dynamic_update_slice(cache_BxHxLxDh, new_BxHxTxDh, (0, 0, index, 0))
-  b, _, t, _ = new_BxHxTxDh.shape
-  cols_BxT = index[:, None] + jnp.arange(t)
-  return cache_BxHxLxDh.at[jnp.arange(b)[:, None], :, cols_BxT].set(
-      new_BxHxTxDh.transpose(0, 2, 1, 3), mode="drop", unique_indices=True)
-
-
 class DecoderLayer(nn.Module):
   """Masked self-attention → Add & Norm → cross-attention → Add & Norm → FFN → Add & Norm.
 
   `cross_kv` are the encoder output's keys/values for this layer (projected once per
   source). With `cache` ({"k", "v"}: [B, H, max_len, Dh]) the new self-attention keys and
-  values are written at `index` (a scalar, or [B]: each row's own position) and attention
-  reads the whole cache (decoding).
+  values are written at `index` and attention reads the whole cache (decoding).
   """
   config: TransformerConfig
 
@@ -247,7 +233,8 @@ class DecoderLayer(nn.Module):
       nonlocal new_cache
       q, k, v = self.self_attn.project_qkv(h_BxTxD)
       if cache is not None:
-        k, v = write_cache(cache["k"], k, index), write_cache(cache["v"], v, index)
+        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, index, 0))
+        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, index, 0))
         new_cache = {"k": k, "v": v}
       return self.self_attn.attend(q, k, v, self_mask, train)
 

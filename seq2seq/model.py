@@ -148,24 +148,33 @@ class Transformer(nn.Module):
     return self.decoder.cross_kv(encoded_BxSxD)
 
   def decode_step(self, tokens_BxT, index, cache, cross_kv, src_valid_BxS,
-                  return_features: bool = False):
+                  return_features: bool = False, column=None):
     """Feeds `tokens` at positions index..index+T-1, reading/writing the KV `cache`.
 
     Returns (logits [B, T, V], new cache), or with return_features the decoder output
     [B, T, D] instead of the logits. Queries attend to cache slots <= their position.
-    `index` is a scalar, or [B]: each row's own position (rows that started at different
-    steps). `cross_kv` and `src_valid` may have B / r rows, each shared by r consecutive
-    rows of `tokens` (beams of one source).
+    `cross_kv` and `src_valid` may have B / r rows, each shared by r consecutive rows of
+    `tokens` (beams of one source).
+
+    With `column` (a scalar; T = 1) the cache is a ring shared by rows that started at
+    different steps: row b is at its own position index[b], its keys and values so far lie
+    in the index[b] slots before `column` (mod the cache length), and this step's go to
+    `column` for every row.
     """
     t = tokens_BxT.shape[1]
     max_len = cache[0]["k"].shape[2]
-    q_pos_BxT = jnp.reshape(index, (-1, 1)) + jnp.arange(t)   # [1, T] for a scalar index
-    self_mask = jnp.arange(max_len) <= q_pos_BxT[:, None, :, None]             # [B|1,1,T,L]
+    if column is None:
+      q_pos = index + jnp.arange(t)
+      self_mask = (jnp.arange(max_len)[None, :] <= q_pos[:, None])[None, None]  # [1,1,T,L]
+      positions, write_at = None, index
+    else:
+      back_L = (column - jnp.arange(max_len)) % max_len     # how many steps ago, per slot
+      self_mask = (back_L <= index[:, None])[:, None, None, :]                   # [B,1,1,L]
+      positions, write_at = index[:, None], column
     x_mask = src_valid_BxS[:, None, None, :]                                    # [B,1,1,S]
     y_BxTxD = self._tgt_embed()(tokens_BxT)
-    positions = None if jnp.ndim(index) == 0 else q_pos_BxT
     y_BxTxD, cache = self.decoder(y_BxTxD, cross_kv, self_mask, x_mask, positions, False,
-                                  cache, index)
+                                  cache, write_at)
     return (y_BxTxD if return_features else self.output_head(y_BxTxD)), cache
 
 

@@ -5,9 +5,11 @@ ended.
 many lengths) a third to a half of its row-steps produce nothing. `decode_stream` keeps
 `slots` sentences stepping together in one compiled loop instead; when a sentence ends, its
 result is copied out and the next waiting source takes its slot: it is encoded, its
-cross-attention keys and values are written there, and its step count starts again at 0
-(the self-attention cache needs no clearing: a slot attends only to the positions it has
-written since). For beam search a slot is one sentence's `size` beams.
+cross-attention keys and values are written there, and its step count starts again at 0.
+The self-attention cache needs no clearing: it is a ring that every slot writes at the same
+column each step, and a slot attends only to the columns it has written since it started
+(`Transformer.decode_step`'s `column`). For beam search a slot is one sentence's `size`
+beams.
 
     one compiled loop, per source width:
       ┌─▶ fill: while `refill` slots are free and sources wait, the finished ones'
@@ -23,7 +25,8 @@ width (and their output buffers, source length + 50) only ever shrinks, by slici
 no slot holds a longer source, and the last sentences to finish are the shortest.
 
 Every row keeps its own step (`Transformer.decode_step` takes per-row positions), so a
-sentence decodes as `decode` decodes it alone. Sampling draws from one key per sentence,
+sentence decodes as `decode` decodes it alone (the same function; the ring turns the order
+of the keys, so float32 sums may round differently in the last bit). Sampling draws from one key per sentence,
 folded with its index: its translation does not depend on the sentences beside it.
 """
 from __future__ import annotations
@@ -84,7 +87,7 @@ def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: 
   cache = init_cache(cfg, slots * _beam(strategy), out_len)
   carry = _fresh_carry(strategy, cache, slots, out_len, bos_id=bos_id, pad_id=pad_id)
   kv = jnp.zeros((slots, cfg.num_heads, width, cfg.head_dim), cfg.dtype)
-  state = dict(carry=dict(carry, done=jnp.ones((slots,), bool)),
+  state = dict(carry=dict(carry, done=jnp.ones((slots,), bool)), column=jnp.int32(0),
                cross_kv=tuple((kv, kv) for _ in range(cfg.num_decoder_layers)),
                src_valid=jnp.zeros((slots, width), bool),
                limit=jnp.zeros((slots,), jnp.int32), key=jnp.zeros((slots, 2), jnp.uint32),
@@ -109,11 +112,18 @@ def _resize(state: dict, width: int, out_len: int, pad_id: int) -> dict:
 
   carry = dict(state["carry"])
   carry["i"] = jnp.minimum(carry["i"], out_len - 1)     # free slots' steps, kept in bounds
-  carry["state"] = jax.tree_util.tree_map(lambda x: fit(x, 2, out_len), carry["state"])
+  # The cache ring turned so that the next column is 0 (the newest entries last), then its
+  # oldest columns cut, or empty ones added after the newest (the next column, then).
+  have = carry["state"][0]["k"].shape[2]
+  turn = lambda x: jnp.roll(x, -state["column"], axis=2)
+  carry["state"] = jax.tree_util.tree_map(
+      lambda x: lax.slice_in_dim(turn(x), have - out_len, have, axis=2) if have >= out_len
+      else fit(turn(x), 2, out_len), carry["state"])
   for name in _SEQS:
     if name in carry:
       carry[name] = fit(carry[name], carry[name].ndim - 1, out_len + 1, pad_id)
-  return dict(state, carry=carry, src_valid=fit(state["src_valid"], 1, width, False),
+  return dict(state, carry=carry, column=jnp.int32(0 if have >= out_len else have),
+              src_valid=fit(state["src_valid"], 1, width, False),
               cross_kv=jax.tree_util.tree_map(lambda x: fit(x, 2, width), state["cross_kv"]))
 
 
@@ -172,7 +182,7 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     fresh = _fresh_carry(strategy, (), refill, out_len, bos_id=bos_id, pad_id=pad_id)
     carry = {n: x if n == "state" else put(x, fresh[n]) for n, x in st["carry"].items()}
     pick = lambda x: jnp.take(x, take_R, axis=0, mode="clip")
-    st = dict(carry=carry, cross_kv=jax.tree_util.tree_map(put, st["cross_kv"], cross),
+    st = dict(st, carry=carry, cross_kv=jax.tree_util.tree_map(put, st["cross_kv"], cross),
               src_valid=put(st["src_valid"], src_RxS != pad_id),
               limit=put(st["limit"], pick(q["limit"])), key=put(st["key"], pick(q["key"])),
               width=put(st["width"], pick(q["width"])),
@@ -187,23 +197,30 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     return (waiting > 0) & (jnp.sum(st["carry"]["done"]) >= jnp.minimum(refill, waiting))
 
   def step(st):
+    """One search step of every slot (two for beam search: as beam_search, see there). The
+    self-attention cache is a ring (`Transformer.decode_step`'s `column`): every row writes
+    the same column, so the write is one in-place slice, whatever the rows' positions."""
     cross_kv, src_valid = st["cross_kv"], st["src_valid"]
-
-    def tokens_to_logits(seq_NxL1, i_B, cache):
-      i_N = i_B if k == 1 else jnp.repeat(i_B, k)
-      tokens_Nx1 = jnp.take_along_axis(seq_NxL1, i_N[:, None], axis=1)
-      y_Nx1xD, cache = model.apply(params, tokens_Nx1, i_N, cache, cross_kv, src_valid, True,
-                                   method=Transformer.decode_step)
-      return head(y_Nx1xD[:, 0]), cache
-
     common = dict(limits_B=st["limit"], eos_id=eos_id, pad_id=pad_id, min_len=min_len,
                   top_k=ops.top_k)
-    if isinstance(strategy, Beam):
-      one = lambda c: beam_step(tokens_to_logits, c, beam=strategy, **common)
-      return dict(st, carry=one(one(st["carry"])))   # two steps: as beam_search, see there
     keys = jax.random.wrap_key_data(st["key"])
-    return dict(st, carry=sample_step(tokens_to_logits, st["carry"], strategy=strategy,
-                                      rng=keys, argmax=ops.argmax, **common))
+
+    def one(c, column):
+      def tokens_to_logits(seq_NxL1, i_B, cache):
+        i_N = i_B if k == 1 else jnp.repeat(i_B, k)
+        tokens_Nx1 = jnp.take_along_axis(seq_NxL1, i_N[:, None], axis=1)
+        y_Nx1xD, cache = model.apply(params, tokens_Nx1, i_N, cache, cross_kv, src_valid,
+                                     True, column, method=Transformer.decode_step)
+        return head(y_Nx1xD[:, 0]), cache
+      if isinstance(strategy, Beam):
+        return beam_step(tokens_to_logits, c, beam=strategy, **common)
+      return sample_step(tokens_to_logits, c, strategy=strategy, rng=keys, argmax=ops.argmax,
+                         **common)
+
+    carry, column = st["carry"], st["column"]
+    for _ in range(2 if isinstance(strategy, Beam) else 1):
+      carry, column = one(carry, column), (column + 1) % out_len
+    return dict(st, carry=carry, column=column)
 
   def finished(c):
     st, _, q, _ = c

@@ -318,25 +318,27 @@ def test_cached_decode_step_equals_full_decoder(pre_ln):
 
 def test_decode_step_at_per_row_positions_equals_full_decoder():
   """Rows at their own positions, as in the decode slots: row b first decodes `offset[b]`
-  junk tokens (a sentence before), then starts again at position 0 with its target. From
-  then on its logits are the full decoder's, though the cache still holds the junk."""
+  junk tokens (a sentence before), then starts again at position 0 with its target. Every
+  row writes the ring cache's column s % 10 at step s. From then on each row's logits are
+  the full decoder's, though the cache still holds the junk, and the ring wraps."""
   src, tgt = _batch()
   params = _init(CFG, src, tgt)
   model = Transformer(CFG)
   full = np.asarray(model.apply(params, src, tgt))
   enc = model.apply(params, src, method=Transformer.encode)
   kv = model.apply(params, enc, method=Transformer.precompute_cross_kv)
-  offset = np.array([0, 2, 3])
-  junk = np.random.default_rng(1).integers(4, 37, (3, 3)).astype(np.int32)
+  offset = np.array([0, 3, 6])
+  junk = np.random.default_rng(1).integers(4, 37, (3, 6)).astype(np.int32)
   cache = init_cache(CFG, src.shape[0], 10)
-  step = jax.jit(lambda p, tok, t, c: model.apply(p, tok, t, c, kv, src != 0,
-                                                  method=Transformer.decode_step))
+  step = jax.jit(lambda p, tok, t, c, col: model.apply(p, tok, t, c, kv, src != 0, False, col,
+                                                       method=Transformer.decode_step))
   checked = 0
   for s in range(tgt.shape[1] + offset.max()):
     pos = np.where(s < offset, s, s - offset)
-    tok = np.where(s < offset, junk[:, min(s, 2)], np.asarray(tgt)[np.arange(3), np.minimum(
+    tok = np.where(s < offset, junk[:, min(s, 5)], np.asarray(tgt)[np.arange(3), np.minimum(
         pos, tgt.shape[1] - 1)])
-    logits, cache = step(params, jnp.asarray(tok[:, None]), jnp.asarray(pos, jnp.int32), cache)
+    logits, cache = step(params, jnp.asarray(tok[:, None]), jnp.asarray(pos, jnp.int32), cache,
+                         jnp.int32(s % 10))
     for b in np.flatnonzero((s >= offset) & (pos < tgt.shape[1])):
       np.testing.assert_allclose(logits[b, 0], full[b, pos[b]], atol=1e-5)
       checked += 1
