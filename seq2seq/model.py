@@ -187,10 +187,12 @@ def head_weights(config: TransformerConfig, params) -> tuple:
   return params["logits_dense"]["kernel"], params["logits_dense"]["bias"], False
 
 
-def init_cache(config: TransformerConfig, batch: int, max_len: int):
-  """Empty self-attention KV cache: per decoder layer {"k", "v"} of [B, H, max_len, Dh]."""
+def init_cache(config: TransformerConfig, batch: int, max_len: int, dtype=None):
+  """Empty self-attention KV cache: per decoder layer {"k", "v"} of [B, H, max_len, Dh], in
+  `dtype` (default: the compute dtype)."""
   shape = (batch, config.num_heads, max_len, config.head_dim)
-  return tuple({"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
+  dtype = config.dtype if dtype is None else dtype
+  return tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
                for _ in range(config.num_decoder_layers))
 
 

@@ -84,9 +84,10 @@ def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: 
                  out_len: int, *, bos_id: int, pad_id: int) -> dict:
   """Every slot free: done, holding no source (id -1); source width `width`, output
   buffers of `out_len` tokens."""
-  cache = init_cache(cfg, slots * _beam(strategy), out_len)
+  dtype = kernels.get(cfg.kernels).cache_dtype(cfg)
+  cache = init_cache(cfg, slots * _beam(strategy), out_len, dtype)
   carry = _fresh_carry(strategy, cache, slots, out_len, bos_id=bos_id, pad_id=pad_id)
-  kv = jnp.zeros((slots, cfg.num_heads, width, cfg.head_dim), cfg.dtype)
+  kv = jnp.zeros((slots, cfg.num_heads, width, cfg.head_dim), dtype)
   state = dict(carry=dict(carry, done=jnp.ones((slots,), bool)), column=jnp.int32(0),
                cross_kv=tuple((kv, kv) for _ in range(cfg.num_decoder_layers)),
                src_valid=jnp.zeros((slots, width), bool),

@@ -48,6 +48,9 @@ class Kernels:
   # decode_head(w, b, w_is_VxD, dtype) -> (y_NxD -> logits_NxV); None: the model's head
   decode_head: Callable | None = None
   decode_compiler_options: Callable = lambda cfg: {}   # cfg -> XLA options of the loop
+  # cache_dtype(cfg) -> the dtype the decode slots keep keys and values in (their values are
+  # the compute dtype's, whatever the storage)
+  cache_dtype: Callable = lambda cfg: cfg.dtype
 
 
 def sharing_keys(attention: Callable) -> Callable:
@@ -76,7 +79,7 @@ REFERENCE = Kernels("reference", dense=reference.dense,
 CPU = Kernels("cpu", dense=cpu.dense, attention=sharing_keys(cpu.attention),
               dropout_keep=cpu.dropout_keep, head_loss=cpu_head.head_loss, top_k=cpu.top_k,
               argmax=cpu.argmax, decode_params=cpu.decode_params, decode_head=cpu.decode_head,
-              decode_compiler_options=cpu.decode_compiler_options)
+              decode_compiler_options=cpu.decode_compiler_options, cache_dtype=cpu.cache_dtype)
 ACCELERATOR = dataclasses.replace(REFERENCE, name="accelerator",
                                   attention=sharing_keys(accelerator.attention))
 _TABLES = {k.name: k for k in (REFERENCE, CPU, ACCELERATOR)}

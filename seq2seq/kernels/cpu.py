@@ -149,13 +149,14 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
   if dropout_rate > 0.0 and dropout_rng is not None:
     shape = q_BxHxQxD.shape[:3] + k_BxHxKxD.shape[2:3]
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
-  scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, q_BxHxQxD.dtype)
-  q_BxHxQxD = q_BxHxQxD * scale
+  dtype = q_BxHxQxD.dtype
+  scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, dtype)
+  q_BxHxQxD = (q_BxHxQxD * scale).astype(k_BxHxKxD.dtype)   # float32 keys: see cache_dtype
   if 1 not in q_BxHxQxD.shape[1:3]:   # one query (a decode step) or one head: any layout is
     q_BxHxQxD = row_major(q_BxHxQxD)  # row-major already, and a constraint would copy it
   y_BxHxQxD = _attend(q_BxHxQxD, row_major(k_BxHxKxD), row_major(v_BxHxKxD), mask, keep,
                       float(dropout_rate))
-  return y_BxHxQxD.astype(q_BxHxQxD.dtype)
+  return y_BxHxQxD.astype(dtype)
 
 
 # --- dropout ----------------------------------------------------------------------------------
@@ -238,6 +239,14 @@ def decode_head(w, b_V, w_is_VxD: bool, dtype):
     logits_NxV = jnp.dot(y_NxD.astype(dtype), w_DxV, preferred_element_type=jnp.float32)
     return logits_NxV if b_V is None else logits_NxV + b_V.astype(jnp.float32)
   return head
+
+
+def cache_dtype(cfg):
+  """float32: XLA:CPU runs a bfloat16 attention dot on a float32 copy of its operands, made
+  at every step for keys and values that change from step to step (the decode slots' cache
+  and cross-attention keys): stored as float32 (bf16 values, exactly), they are read as
+  they are."""
+  return jnp.float32
 
 
 # XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands the
