@@ -81,11 +81,11 @@ def _fresh_carry(strategy: Strategy, state, rows: int, out_len: int, *, bos_id: 
 
 
 def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: int,
-                 out_len: int, *, bos_id: int, pad_id: int) -> dict:
+                 out_len: int, ring: int, *, bos_id: int, pad_id: int) -> dict:
   """Every slot free: done, holding no source (id -1); source width `width`, output
-  buffers of `out_len` tokens."""
+  buffers of `out_len` tokens, a self-attention cache ring of `ring` columns."""
   dtype = kernels.get(cfg.kernels).cache_dtype(cfg)
-  cache = init_cache(cfg, slots * _beam(strategy), out_len, dtype)
+  cache = init_cache(cfg, slots * _beam(strategy), ring, dtype)
   carry = _fresh_carry(strategy, cache, slots, out_len, bos_id=bos_id, pad_id=pad_id)
   kv = jnp.zeros((slots, cfg.num_heads, width, cfg.head_dim), dtype)
   state = dict(carry=dict(carry, done=jnp.ones((slots,), bool)), column=jnp.int32(0),
@@ -100,9 +100,9 @@ def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: 
 _SEQS = ("seq", "alive_seq", "fin_seq")    # token buffers: BOS, then out_len tokens
 
 
-def _resize(state: dict, width: int, out_len: int, pad_id: int) -> dict:
-  """The state with source width `width` and output buffers of `out_len` tokens: sliced
-  (when no busy slot reads past them) or zero-padded."""
+def _resize(state: dict, width: int, out_len: int, ring: int, pad_id: int) -> dict:
+  """The state with source width `width`, output buffers of `out_len` tokens and a cache
+  ring of `ring` columns: each sliced (when no busy slot reads past it) or zero-padded."""
   def fit(x, axis: int, n: int, fill=0):
     have = x.shape[axis]
     if have >= n:
@@ -118,12 +118,12 @@ def _resize(state: dict, width: int, out_len: int, pad_id: int) -> dict:
   have = carry["state"][0]["k"].shape[2]
   turn = lambda x: jnp.roll(x, -state["column"], axis=2)
   carry["state"] = jax.tree_util.tree_map(
-      lambda x: lax.slice_in_dim(turn(x), have - out_len, have, axis=2) if have >= out_len
-      else fit(turn(x), 2, out_len), carry["state"])
+      lambda x: lax.slice_in_dim(turn(x), have - ring, have, axis=2) if have >= ring
+      else fit(turn(x), 2, ring), carry["state"])
   for name in _SEQS:
     if name in carry:
       carry[name] = fit(carry[name], carry[name].ndim - 1, out_len + 1, pad_id)
-  return dict(state, carry=carry, column=jnp.int32(0 if have >= out_len else have),
+  return dict(state, carry=carry, column=jnp.int32(0 if have >= ring else have),
               src_valid=fit(state["src_valid"], 1, width, False),
               cross_kv=jax.tree_util.tree_map(lambda x: fit(x, 2, width), state["cross_kv"]))
 
@@ -147,7 +147,9 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
   """
   model, ops = Transformer(cfg), kernels.get(cfg.kernels)
   slots, k = state["limit"].shape[0], _beam(strategy)
-  out_len = state["carry"]["state"][0]["k"].shape[2]
+  ring = state["carry"]["state"][0]["k"].shape[2]
+  out_len = state["carry"]["alive_seq" if isinstance(strategy, Beam) else "seq"].shape[-1] - 1
+  per_iteration = 2 if isinstance(strategy, Beam) else 1
   if ops.decode_head is None:
     head = lambda y_NxD: model.apply(params, y_NxD, method=Transformer.output_head)
   else:
@@ -219,8 +221,8 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
                          **common)
 
     carry, column = st["carry"], st["column"]
-    for _ in range(2 if isinstance(strategy, Beam) else 1):
-      carry, column = one(carry, column), (column + 1) % out_len
+    for _ in range(per_iteration):
+      carry, column = one(carry, column), (column + 1) % ring
     return dict(st, carry=carry, column=column)
 
   def finished(c):
@@ -228,7 +230,10 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     done = st["carry"]["done"]
     drained = (q["taken"] >= q["count"]) & (jnp.sum(done) >= stop_free)
     busy_width = jnp.max(jnp.where(done, 0, st["width"]))
-    return drained | ((narrow_to > 0) & (busy_width <= narrow_to))
+    out = drained | ((narrow_to > 0) & (busy_width <= narrow_to))
+    if ring < out_len:   # a busy slot would outgrow the ring: the host widens it
+      out |= jnp.max(jnp.where(done, 0, st["carry"]["i"])) > ring - per_iteration
+    return out
 
   def body(c):
     st, out, q, n = c
@@ -243,7 +248,7 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
   state, out, queue, n = lax.while_loop(lambda c: ~finished(c), body,
                                         (state, out, queue, jnp.int32(0)))
   # The sentences that finished but still sit in their slots.
-  steps = n * (2 if isinstance(strategy, Beam) else 1)
+  steps = n * per_iteration
   return state, queue, out, _results(strategy, state["carry"], pad_id), steps
 
 
@@ -253,6 +258,9 @@ def _jitted_loop(options: tuple = ()):
                  donate_argnames=("state",),
                  static_argnames=("cfg", "strategy", "refill", "bos_id", "eos_id", "pad_id",
                                   "min_len"))
+
+
+RING_MIN, RING_ROOM = 32, 16   # the shortest cache ring; the steps a ring leaves to grow
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -315,9 +323,18 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
   def out_len(w: int) -> int:
     return max_len if max_len is not None else min(w + EXTRA_LEN, cfg.max_len)
 
+  def ring_for(step: int, w: int) -> int:
+    """Cache columns for busy slots up to `step`, with room to go on: 32, 64, 128, ... at
+    most the output length (one compile per width and ring)."""
+    ring = RING_MIN
+    while ring < step + RING_ROOM:
+      ring *= 2
+    return min(ring, out_len(w))
+
   order = sorted(range(n), key=lambda j: -lengths[j])     # longest first (stable)
   cur_w = width(order[0])
-  state = _empty_state(cfg, strategy, slots, cur_w, out_len(cur_w), bos_id=bos_id,
+  ring = ring_for(0, cur_w)
+  state = _empty_state(cfg, strategy, slots, cur_w, out_len(cur_w), ring, bos_id=bos_id,
                        pad_id=pad_id)
   busy = np.zeros(slots, bool)      # slots holding a sentence, as of the last return
   nxt = 0
@@ -341,8 +358,9 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
         params, head_w, head_b, state, q, refill if more else slots,
         w_q if w_q < cur_w else 0, cfg=cfg, strategy=strategy, refill=refill,
         bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, min_len=min_len)
-    out, res, taken, source, done, steps = jax.device_get(
-        (out, res, q_left["taken"], state["source"], state["carry"]["done"], steps))
+    out, res, taken, source, done, step, steps = jax.device_get(
+        (out, res, q_left["taken"], state["source"], state["carry"]["done"],
+         state["carry"]["i"], steps))
     nxt += int(taken)
     # Results: those copied out by the loop, then those still in their slots.
     ids = [(int(out["source"][r]), (out["tokens"][r], out["scores"][r], out["lengths"][r]))
@@ -360,8 +378,10 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     busy = ~done & (source >= 0)
     state = dict(state, source=jnp.where(jnp.asarray(busy), state["source"], -1))
     # Narrower once no busy slot (nor the next source) needs the width.
+    # A ring as long as the busy slots need.
     need = max([width(int(j)) for j in source[busy]] + [width(order[nxt]) if nxt < n else 1])
-    if need < cur_w:
-      cur_w = need
-      state = _resize(state, cur_w, out_len(cur_w), pad_id)
+    want = ring_for(int(step[busy].max(initial=0)), min(need, cur_w))
+    if need < cur_w or want != ring:
+      cur_w, ring = min(need, cur_w), want
+      state = _resize(state, cur_w, out_len(cur_w), ring, pad_id)
   return results
