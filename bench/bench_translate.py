@@ -13,10 +13,11 @@ BLEU against the reference:
         --peer_python /work/venvs/ct2/bin/python            # ~5 min for 1,007 verses
 
 Ours: `translate_nbest` (what decode.py runs) at each `--dtypes`, `--batch_size` sentences
-at a time, in decode slots that refill (`--batching slots`, the default: `useful` is the
-share of slot-steps that made a token of a returned translation) and/or in fixed batches
-each run until its slowest sentence ends (`fixed`); with both, the line after the table
-says on how many sentences they agree. The first pass compiles (its time is reported
+at a time, with `--batching`: auto (the default, decode.py's: slots for greedy, fixed
+batches for beam search), slots (decode slots that refill: `useful` is the share of
+slot-steps that made a token of a returned translation) and/or fixed (batches each run
+until their slowest sentence ends); with slots and fixed, the line after the table says on
+how many sentences they agree. The first pass compiles (its time is reported
 apart), then `--repeats` passes, the median reported. `beam4_best` and `beam4_count` are
 our beam search with its other stop rules (search.Beam.stop). CTranslate2: `translate_batch` with max_batch_size=batch_size,
 intra_threads=2, at each `--compute_types`, after one warm-up batch, median of `--repeats`
@@ -56,14 +57,15 @@ def _lines(path: str) -> list[str]:
 
 
 def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repeats,
-             batching="slots"):
+             batching="auto"):
   """`params` already as `decoding.decode_params(model_cfg, ...)` makes them. The first pass
   compiles (from an empty compile cache: this process enables none)."""
   from seq2seq.search import Beam, Greedy
   from seq2seq.slots import StreamStats
-  from seq2seq.translate import translate_nbest
+  from seq2seq.translate import resolve_batching, translate_nbest
   beam, stop = STRATEGIES[strategy_name]
   strategy = Beam(size=beam, alpha=ALPHA, stop=stop) if beam > 1 else Greedy()
+  asked, batching = batching, resolve_batching(batching, strategy)
   seconds = []
   for _ in range(repeats + 1):
     stats = StreamStats()
@@ -72,7 +74,8 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
                           batching=batching, stats=stats)
     seconds.append(time.perf_counter() - t)
   row = dict(system="seq2seq", precision=model_cfg.dtype, strategy=strategy_name,
-             batching=batching, first_pass_s=seconds[0], seconds=seconds[1:],
+             batching=batching, batching_asked=asked, first_pass_s=seconds[0],
+             seconds=seconds[1:],
              new_tokens=out.num_tokens, hypotheses=[t[0] for t in out.texts])
   if batching == "slots":   # the share of slot-steps that made a token of a best hypothesis
     row.update(useful=stats.useful, loop_returns=stats.runs)
@@ -122,8 +125,9 @@ def main(argv=None):
   ap.add_argument("--strategies", default="greedy,beam4",
                   help=f"of {', '.join(STRATEGIES)} (beam4_*: our other beam stop rules)")
   ap.add_argument("--dtypes", default="float32,bfloat16", help="ours")
-  ap.add_argument("--batching", default="slots",
-                  help="ours: slots (decode slots that refill) and/or fixed (fixed batches)")
+  ap.add_argument("--batching", default="auto", help="ours: auto (what decode.py runs: slots "
+                  "for greedy, fixed for beam search), slots (decode slots that refill) and/or "
+                  "fixed (fixed batches)")
   ap.add_argument("--compute_types", default="float32,int8", help="CTranslate2's")
   ap.add_argument("--batch_size", type=int, default=64, help="sentences per batch")
   ap.add_argument("--repeats", type=int, default=2)

@@ -389,8 +389,11 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
   out = []
   for path, res in files.items():
     ours, theirs = collections.defaultdict(dict), collections.defaultdict(dict)
-    for r in res.get("rows", []):
-      if "error" in r or r.get("batching", "slots") != "slots":
+    rows = [r for r in res.get("rows", []) if "error" not in r]
+    # Ours as decode.py runs it: batching "auto" where it was measured.
+    auto = {r["strategy"] for r in rows if r.get("batching_asked") == "auto"}
+    for r in rows:
+      if r["system"] == "seq2seq" and r["strategy"] in auto and r["batching_asked"] != "auto":
         continue
       (ours if r["system"] == "seq2seq" else theirs)[r["strategy"]][r["precision"]] = r
     for strategy in [s for s in TEXT_GOALS if s in ours and s in theirs]:

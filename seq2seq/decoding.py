@@ -77,8 +77,7 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
                                  True, method=Transformer.decode_step)
     return head(y_Nx1xD[:, 0]), cache
 
-  return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len,
-                                             kernels.get(cfg.kernels).cache_dtype(cfg))
+  return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len)
 
 
 def resize_cache(cache, length: int):

@@ -260,7 +260,7 @@ def _jitted_loop(options: tuple = ()):
                                   "min_len"))
 
 
-RING_MIN, RING_ROOM = 32, 16   # the shortest cache ring; the steps a ring leaves to grow
+RING_ROOM = 32   # the cache ring holds source width + RING_ROOM tokens (see ring_for)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -324,16 +324,16 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     return max_len if max_len is not None else min(w + EXTRA_LEN, cfg.max_len)
 
   def ring_for(step: int, w: int) -> int:
-    """Cache columns for busy slots up to `step`, with room to go on: 32, 64, 128, ... at
-    most the output length (one compile per width and ring)."""
-    ring = RING_MIN
-    while ring < step + RING_ROOM:
-      ring *= 2
-    return min(ring, out_len(w))
+    """Cache columns for sources of width w whose busy slots have reached `step`: room for
+    RING_ROOM tokens more than the width (translations seldom run longer), or the whole
+    output length once a slot needs it; so mostly one compile per width. Beam search keeps
+    alive hypotheses well past the length of the one it returns: the whole length."""
+    ring = min(_round_up(w + RING_ROOM, 16), out_len(w))
+    return ring if step + 2 <= ring and not isinstance(strategy, Beam) else out_len(w)
 
   order = sorted(range(n), key=lambda j: -lengths[j])     # longest first (stable)
   cur_w = width(order[0])
-  ring = ring_for(0, cur_w)
+  ring = out_len(cur_w)   # the longest sources come first: the likeliest to run long
   state = _empty_state(cfg, strategy, slots, cur_w, out_len(cur_w), ring, bos_id=bos_id,
                        pad_id=pad_id)
   busy = np.zeros(slots, bool)      # slots holding a sentence, as of the last return
@@ -381,7 +381,7 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     # A ring as long as the busy slots need.
     need = max([width(int(j)) for j in source[busy]] + [width(order[nxt]) if nxt < n else 1])
     want = ring_for(int(step[busy].max(initial=0)), min(need, cur_w))
-    if need < cur_w or want != ring:
+    if (need < cur_w or want > ring) and (nxt < n or busy.any()):
       cur_w, ring = min(need, cur_w), want
       state = _resize(state, cur_w, out_len(cur_w), ring, pad_id)
   return results

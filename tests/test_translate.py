@@ -89,7 +89,7 @@ def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypa
   assert empty == tr.Translations([[""], [""]], [[0.0], [0.0]], 0, [])
   with pytest.raises(UserError, match="max_len must be in"):
     tr.translate_nbest(params, CFG, tok, [""], beam, max_len=CFG.max_len + 1)
-  with pytest.raises(UserError, match="batching must be one of slots, fixed"):
+  with pytest.raises(UserError, match="batching must be one of auto, slots, fixed"):
     tr.translate_nbest(params, CFG, tok, [""], beam, batching="dynamic")
 
 
