@@ -210,8 +210,8 @@ def main(argv=None):
     for r in rows:
       if "hypotheses" in r:
         name = ".".join([r["system"], r["precision"], r["strategy"]]
-                        + ([r["batching"]] if r.get("batching", "slots") != "slots" else [])
-                        ) + ".txt"
+                        + ([r["batching"]] if r.get("batching_asked", "auto") != "auto"
+                           else [])) + ".txt"
         with open(os.path.join(args.hypotheses_dir, name), "w", encoding="utf-8") as f:
           f.write("".join(h + "\n" for h in r["hypotheses"]))
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

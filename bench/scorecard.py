@@ -390,10 +390,11 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
   for path, res in files.items():
     ours, theirs = collections.defaultdict(dict), collections.defaultdict(dict)
     rows = [r for r in res.get("rows", []) if "error" not in r]
-    # Ours as decode.py runs it: batching "auto" where it was measured.
-    auto = {r["strategy"] for r in rows if r.get("batching_asked") == "auto"}
+    # Ours as decode.py runs it (batching "auto": slots for greedy, fixed for beam search).
+    auto = lambda r: r["batching"] == ("fixed" if r["strategy"].startswith("beam")  # noqa: E731
+                                       else "slots")
     for r in rows:
-      if r["system"] == "seq2seq" and r["strategy"] in auto and r["batching_asked"] != "auto":
+      if r["system"] == "seq2seq" and not auto(r):
         continue
       (ours if r["system"] == "seq2seq" else theirs)[r["strategy"]][r["precision"]] = r
     for strategy in [s for s in TEXT_GOALS if s in ours and s in theirs]:

@@ -487,11 +487,11 @@ def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir
                         "twelve", "three hundred"], env=env, capture_output=True, text=True,
                        timeout=300, cwd=str(ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
-    hit = "Persistent compilation cache hit for 'jit__loop_impl'" in p.stderr
+    hit = "Persistent compilation cache hit for 'jit__decode_impl'" in p.stderr
     return p.stdout, hit
 
   first, hit = decode(env)
-  assert not hit and any(f.name.startswith("jit__loop_impl") for f in cache.iterdir())
+  assert not hit and any(f.name.startswith("jit__decode_impl") for f in cache.iterdir())
   second, hit = decode(env)
   assert hit and second == first
   for off in ("off", "/proc/no/such/dir"):   # off, or a directory that cannot be made

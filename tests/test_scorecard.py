@@ -437,3 +437,41 @@ def test_ctranslate2_table_puts_each_workload_beside_ct2_in_both_views(tmp_path)
   with pytest.raises(SystemExit) as e:
     scorecard.main(["--read", "--dir", str(d), "--ct2", str(tmp_path / "missing.json")])
   assert str(e.value).startswith("error: --ct2 ")
+
+
+def test_real_text_table_puts_decode_py_beside_ct2(tmp_path):
+  """bench_translate.py's JSON (a real run, trimmed): per strategy measured by both engines,
+  ours as decode.py runs it (batching "auto") against CTranslate2, f32 against float32 and
+  fastest against fastest, with the share of useful slot-steps and both engines' BLEU."""
+  res = _fixture("translate")
+  rows = scorecard.translate_rows({"t.json": res})
+  assert {r["strategy"] for r in rows} == {"greedy", "beam4"}
+  for r in rows:
+    ours = [x for x in res["rows"] if x["system"] == "seq2seq" and x["strategy"] == r["strategy"]
+            and x["batching"] == ("fixed" if r["strategy"] == "beam4" else "slots")]
+    theirs = [x for x in res["rows"] if x["system"] == "ctranslate2"
+              and x["strategy"] == r["strategy"] and "error" not in x]
+    f32 = lambda rows: next(x["tokens_per_sec"] for x in rows if x["precision"] == "float32")
+    assert r["f32_ratio"] == pytest.approx(f32(ours) / f32(theirs))
+    best_o = max(ours, key=lambda x: x["tokens_per_sec"])
+    best_t = max(theirs, key=lambda x: x["tokens_per_sec"])
+    assert r["best_ratio"] == pytest.approx(best_o["tokens_per_sec"] / best_t["tokens_per_sec"])
+    assert (r["bleu_ours"], r["bleu_ct2"]) == (best_o["bleu"], best_t["bleu"])
+    useful = [x["useful"] for x in ours if "useful" in x]
+    assert r["useful"] == (min(useful) if useful else None)
+  text = scorecard.translate_table(rows)
+  for r in rows:
+    line = next(l for l in text.splitlines() if f" {r['strategy']} |" in l)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    goal = scorecard.TEXT_GOALS[r["strategy"]]
+    assert cells[4].endswith("met" if r["f32_ratio"] >= goal else "MISSED"), line
+    assert cells[8].endswith("met" if r["best_ratio"] >= goal else "MISSED"), line
+  # the CLI: the table in scorecard.md and real_text in scorecard.json
+  d = tmp_path / "results"
+  d.mkdir()
+  for name in scorecard.RUNS:
+    (d / f"{name}.json").write_text(json.dumps(_fixture(name)))
+  (tmp_path / "t.json").write_text(json.dumps(res))
+  assert scorecard.main(["--read", "--dir", str(d), "--translate", str(tmp_path / "t.json")]) == 0
+  assert "real text (bench_translate.py)" in (d / "scorecard.md").read_text()
+  assert len(json.loads((d / "scorecard.json").read_text())["real_text"]) == len(rows)

@@ -47,7 +47,7 @@ def test_translate_keeps_input_order_and_matches_decode(params):
     tr.translate(params, CFG, tok, ["a" * 69], Greedy())
 
 
-@pytest.mark.parametrize("batching", tr.BATCHING)
+@pytest.mark.parametrize("batching", ["slots", "fixed"])
 def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypatch, batching):
   tok = _Chars()
   beam = Beam(size=2, alpha=0.6, n_best=2)
