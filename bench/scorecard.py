@@ -393,10 +393,13 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
     # Ours as decode.py runs it (batching "auto": slots for greedy, fixed for beam search).
     auto = lambda r: r["batching"] == ("fixed" if r["strategy"].startswith("beam")  # noqa: E731
                                        else "slots")
+    # ... and its beam stop rule, "count" (CTranslate2's own with a length penalty).
+    counted = any(r["strategy"] == "beam4_count" for r in rows)
     for r in rows:
-      if r["system"] == "seq2seq" and not auto(r):
+      if r["system"] == "seq2seq" and (not auto(r) or (counted and r["strategy"] == "beam4")):
         continue
-      (ours if r["system"] == "seq2seq" else theirs)[r["strategy"]][r["precision"]] = r
+      strategy = "beam4" if r["strategy"] == "beam4_count" else r["strategy"]
+      (ours if r["system"] == "seq2seq" else theirs)[strategy][r["precision"]] = r
     for strategy in [s for s in TEXT_GOALS if s in ours and s in theirs]:
       o, t = ours[strategy], theirs[strategy]
       best = lambda d: max(d.values(), key=lambda r: r["tokens_per_sec"])  # noqa: E731

@@ -441,13 +441,14 @@ def test_ctranslate2_table_puts_each_workload_beside_ct2_in_both_views(tmp_path)
 
 def test_real_text_table_puts_decode_py_beside_ct2(tmp_path):
   """bench_translate.py's JSON (a real run, trimmed): per strategy measured by both engines,
-  ours as decode.py runs it (batching "auto") against CTranslate2, f32 against float32 and
+  ours as decode.py runs it (batching "auto", beam stop rule "count") against CTranslate2, f32 against float32 and
   fastest against fastest, with the share of useful slot-steps and both engines' BLEU."""
   res = _fixture("translate")
   rows = scorecard.translate_rows({"t.json": res})
   assert {r["strategy"] for r in rows} == {"greedy", "beam4"}
   for r in rows:
-    ours = [x for x in res["rows"] if x["system"] == "seq2seq" and x["strategy"] == r["strategy"]
+    name = "beam4_count" if r["strategy"] == "beam4" else r["strategy"]   # decode.py's rule
+    ours = [x for x in res["rows"] if x["system"] == "seq2seq" and x["strategy"] == name
             and x["batching"] == ("fixed" if r["strategy"] == "beam4" else "slots")]
     theirs = [x for x in res["rows"] if x["system"] == "ctranslate2"
               and x["strategy"] == r["strategy"] and "error" not in x]
