@@ -223,7 +223,8 @@ class InputWatch:
 
   def __init__(self, tokenizer, record):
     self.tokenizer, self.record = tokenizer, record
-    self.unseen, self.long, self.waited = [], [], 0.0
+    self.unseen = self.long = self.flagged = 0    # counts: a long input keeps no list
+    self.first, self.waited = [], 0.0             # the first 5 flagged lines' indices
 
   def lines(self, lines):
     from seq2seq.data import sources
@@ -238,26 +239,28 @@ class InputWatch:
       if line.strip():
         unseen, long = sources.unfamiliar(source_ids(self.tokenizer, line), self.tokenizer,
                                           self.record)
-        if unseen:
-          self.unseen.append(i)
-        if long:
-          self.long.append(i)
+        self.unseen += bool(unseen)
+        self.long += bool(long)
+        if unseen or long:
+          self.flagged += 1
+          if len(self.first) < 6:
+            self.first.append(i)
       yield line
 
   def warning(self, reads: str | None) -> str | None:
     """One line for all the unfamiliar input lines, or None."""
-    lines = sorted(set(self.unseen) | set(self.long))
-    if not lines:
+    if not self.flagged:
       return None
     why = []
     if self.unseen:
-      why.append(f"{len(self.unseen)} with pieces no training source held" if self.record
-                 else f"{len(self.unseen)} with characters the vocabulary has no piece for")
+      why.append(f"{self.unseen} with pieces no training source held" if self.record
+                 else f"{self.unseen} with characters the vocabulary has no piece for")
     if self.long:
-      why.append(f"{len(self.long)} longer than the longest training source "
+      why.append(f"{self.long} longer than the longest training source "
                  f"({self.record.longest} tokens)")
-    shown = ", ".join(str(i + 1) for i in lines[:5]) + (", ..." if len(lines) > 5 else "")
-    return (f"warning: {len(lines)} input line(s) unlike anything the model was trained on, "
+    shown = (", ".join(str(i + 1) for i in self.first[:5])
+             + (", ..." if self.flagged > 5 else ""))
+    return (f"warning: {self.flagged} input line(s) unlike anything the model was trained on, "
             f"so their translations are guesses (line {shown}): {', '.join(why)}"
             + (f"; this model reads {reads}" if reads else ""))
 
@@ -291,37 +294,42 @@ def main(argv=None) -> int:
     if args.sentences and args.input is not None:
       raise UserError("give SENTENCE arguments or --input, not both")
     cfg, params, tokenizer = load_workdir(args.workdir, args.checkpoint_step)
+    # Input is read as it is translated (a file of any length, held a chunk at a time).
     if args.sentences:
-      lines = args.sentences
+      lines, total = args.sentences, len(args.sentences)
     elif args.input not in (None, "-"):
-      lines = textio.read_lines(args.input)
+      lines, total = textio.iter_lines(args.input), textio.count_lines(args.input)
     elif sys.stdin.isatty():                    # someone typing: answer each line
       if args.reference is not None:
         raise UserError("--reference needs the input as --input FILE, SENTENCE arguments "
                         "or piped standard input, not typed lines")
       print("type a sentence and press Enter (end with Ctrl-D)", file=sys.stderr)
       lines, args.chunk_size, args.no_progress = typed_lines(sys.stdin), 1, True
+      total = None
     else:
-      lines = textio.read_lines(getattr(sys.stdin, "buffer", sys.stdin))
-    if args.reference is not None:
-      references = read_references(args.reference, len(lines))
+      lines, total = textio.iter_lines(getattr(sys.stdin, "buffer", sys.stdin)), None
+    if args.reference is not None:   # scored at the end: input and translations are kept
+      lines = list(lines)
+      references, total = read_references(args.reference, len(lines)), len(lines)
     bar = None
     if not args.sentences and not args.no_progress:
       from tqdm.auto import tqdm
-      bar = tqdm(total=len(lines), unit="line", file=sys.stderr, dynamic_ncols=True)
+      bar = tqdm(total=total, unit="line", file=sys.stderr, dynamic_ncols=True)
     watch = InputWatch(tokenizer, sources.read(args.workdir))
     start, done, num_tokens, truncated, hypotheses = time.perf_counter(), 0, 0, [], []
     chunks = translate.translate_chunks(
         params, cfg.model, tokenizer, watch.lines(lines), strategy,
         chunk_size=args.chunk_size, batch_size=args.batch_size, max_len=args.max_len,
-        rng=args.seed, progress=bar.update if bar else None)
+        rng=args.seed, progress=None if bar is None else bar.update)
     try:
       with compile_spans() as spans:
         for _, out in chunks:                   # written as each chunk is done
           with ctrl_c_waits():
             if bar is not None:
               bar.clear()
-            hypotheses += write(out, done, args.n_best)
+            written = write(out, done, args.n_best)
+            if args.reference is not None:
+              hypotheses += written
             done += len(out.texts)
           num_tokens += out.num_tokens
           truncated += out.truncated
@@ -330,8 +338,9 @@ def main(argv=None) -> int:
         bar.close()
     compiling = covered_seconds(spans)
     decoding = time.perf_counter() - start - compiling - watch.waited
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
+  except UserError as e:   # e.g. a line of the input that is not UTF-8, met as it is read
+    before = f" ({done} line(s) translated and written before)" if done else ""
+    print(f"error: {e}{before}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print(f"interrupted: {done} line(s) translated and written", file=sys.stderr)

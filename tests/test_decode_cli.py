@@ -339,6 +339,44 @@ def test_ctrl_c_keeps_the_lines_already_written(workdir, model, tmp_path, capsys
   assert got == want.split("\n")[:-1]
 
 
+def test_an_input_file_is_read_as_it_is_translated(workdir, capsys, tmp_path):
+  """--input FILE is not read whole first: from a named pipe, a chunk's translations come
+  out before the next lines are written (so a file of any length is held a chunk at a
+  time); the end of the pipe ends the run."""
+  fifo = tmp_path / "in.fifo"
+  os.mkfifo(fifo)
+  proc = _popen_decode(workdir, "--beam-size", 1, "--chunk-size", 2, "--input", fifo)
+  try:
+    with open(fifo, "wb", buffering=0) as writer:
+      writer.write(b"seven\none hundred\n")
+      first = [_readline(proc.stdout) for _ in range(2)]   # the rest is not written yet
+      writer.write(b"forty-one\n")
+    rest, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 0, err.decode()[-2000:]
+  code, want, _ = run(capsys, "--workdir", workdir, "--beam-size", 1, "seven", "one hundred",
+                      "forty-one")
+  assert (b"".join(first) + rest).decode() == want
+  assert b"3 lines" in err
+
+
+def test_a_line_that_is_not_utf8_ends_the_run_after_the_lines_before(workdir, tmp_path,
+                                                                      capsys):
+  """Met as the input is read: the chunks before it stay written, then one line naming
+  the input line, exit 2."""
+  path = tmp_path / "in.txt"
+  path.write_bytes(b"seven\none hundred\nforty-one\ncaf\xe9\n")
+  code, out, err = run(capsys, "--workdir", workdir, "--beam-size", 1, "--chunk-size", 2,
+                       "--no-progress", "--input", path)
+  _, want, _ = run(capsys, "--workdir", workdir, "--beam-size", 1, "seven", "one hundred")
+  assert code == 2 and out == want, err
+  assert err.strip() == (f"error: {path} line 4: invalid UTF-8 (byte 0xe9) (2 line(s) "
+                         f"translated and written before)"), err
+
+
 def test_typed_lines_are_translated_as_they_are_entered(workdir, model, capsys):
   """At a terminal (a pseudo-terminal here), each line's translation comes out before the
   next line is typed."""

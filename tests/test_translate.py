@@ -127,25 +127,37 @@ def test_translate_chunks_is_translate_nbest_chunk_by_chunk(params):
     next(tr.translate_chunks(params, CFG, tok, sentences, strategy, chunk_size=0))
 
 
-def test_read_lines(tmp_path):
+@pytest.mark.parametrize("read", ["read_lines", "iter_lines"])
+def test_read_lines(tmp_path, read):
+  """read_lines, and iter_lines one line at a time (decode.py's input), read alike; the
+  line count of a file without decoding it is theirs."""
   import io
+  read_lines = (textio.read_lines if read == "read_lines"
+                else lambda source: list(textio.iter_lines(source)))
   path = tmp_path / "in.txt"
   path.write_bytes(b"\xef\xbb\xbfone\r\n\ntwo\xe2\x80\xa8three\rfour\n")
   want = ["one", "", "two\u2028three\rfour"]   # split at "\n" only
-  assert textio.read_lines(path) == textio.read_lines(str(path)) == want
-  assert textio.read_lines(io.BytesIO(path.read_bytes())) == want
+  assert read_lines(path) == read_lines(str(path)) == want
+  assert read_lines(io.BytesIO(path.read_bytes())) == want
+  assert textio.count_lines(path) == 3
   latin1 = tmp_path / "latin1.txt"                       # as training refuses it, with the line
   latin1.write_bytes(b"one\ntwo\ncaf\xe9\n")
   with pytest.raises(UserError, match=r"latin1.txt line 3: invalid UTF-8 \(byte 0xe9\)"):
-    textio.read_lines(latin1)
+    read_lines(latin1)
   with pytest.raises(UserError, match=r"^standard input line 1: invalid UTF-8 \(byte 0xff\)"):
-    textio.read_lines(io.BytesIO(b"\xff\n"))
-  assert textio.read_lines(io.StringIO("a\nb")) == ["a", "b"]
-  assert textio.read_lines(io.BytesIO(b"")) == []
+    read_lines(io.BytesIO(b"\xff\n"))
+  assert read_lines(io.StringIO("a\nb")) == ["a", "b"]
+  assert read_lines(io.BytesIO(b"")) == []
+  no_end = tmp_path / "no_end.txt"
+  no_end.write_bytes(b"a\n\nb")
+  assert read_lines(no_end) == ["a", "", "b"] and textio.count_lines(no_end) == 3
+  (tmp_path / "empty.txt").write_bytes(b"")
+  assert textio.count_lines(tmp_path / "empty.txt") == 0
+  assert textio.count_lines(tmp_path / "nope.txt") is None
   with pytest.raises(UserError, match="cannot read .*nope.txt: No such file"):
-    textio.read_lines(tmp_path / "nope.txt")
+    read_lines(tmp_path / "nope.txt")
   with pytest.raises(UserError, match="Is a directory"):
-    textio.read_lines(tmp_path)
+    read_lines(tmp_path)
 
 
 def test_a_string_is_one_sentence_and_other_items_are_refused(params):
