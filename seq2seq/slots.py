@@ -128,6 +128,10 @@ def _resize(state: dict, width: int, out_len: int, ring: int, pad_id: int) -> di
               cross_kv=jax.tree_util.tree_map(lambda x: fit(x, 2, width), state["cross_kv"]))
 
 
+# One program per new size, not one per operation and shape (eager slices compile too).
+_resize_jit = jax.jit(_resize, static_argnums=(1, 2, 3, 4))
+
+
 def _results(strategy: Strategy, carry: dict, pad_id: int):
   return (beam_results(carry, strategy, pad_id=pad_id) if isinstance(strategy, Beam)
           else sample_results(carry))
@@ -331,11 +335,17 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     ring = min(_round_up(w + RING_ROOM, 16), out_len(w))
     return ring if step + 2 <= ring and not isinstance(strategy, Beam) else out_len(w)
 
+  # The state lives where the parameters do, committed there like the loop's outputs:
+  # a call with an uncommitted state would compile the loop a second time.
+  leaf = jax.tree_util.tree_leaves(params)[0]
+  place = (functools.partial(jax.device_put, device=leaf.sharding)
+           if isinstance(getattr(leaf, "sharding", None), jax.sharding.SingleDeviceSharding)
+           else lambda st: st)
   order = sorted(range(n), key=lambda j: -lengths[j])     # longest first (stable)
   cur_w = width(order[0])
   ring = out_len(cur_w)   # the longest sources come first: the likeliest to run long
-  state = _empty_state(cfg, strategy, slots, cur_w, out_len(cur_w), ring, bos_id=bos_id,
-                       pad_id=pad_id)
+  state = place(_empty_state(cfg, strategy, slots, cur_w, out_len(cur_w), ring,
+                             bos_id=bos_id, pad_id=pad_id))
   busy = np.zeros(slots, bool)      # slots holding a sentence, as of the last return
   nxt = 0
   while nxt < n or busy.any():
@@ -376,12 +386,12 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     if progress is not None and ids:
       progress(len(ids))
     busy = ~done & (source >= 0)
-    state = dict(state, source=jnp.where(jnp.asarray(busy), state["source"], -1))
+    state = dict(state, source=jnp.where(busy, state["source"], -1))
     # Narrower once no busy slot (nor the next source) needs the width.
     # A ring as long as the busy slots need.
     need = max([width(int(j)) for j in source[busy]] + [width(order[nxt]) if nxt < n else 1])
     want = ring_for(int(step[busy].max(initial=0)), min(need, cur_w))
     if (need < cur_w or want > ring) and (nxt < n or busy.any()):
       cur_w, ring = min(need, cur_w), want
-      state = _resize(state, cur_w, out_len(cur_w), ring, pad_id)
+      state = place(_resize_jit(state, cur_w, out_len(cur_w), ring, pad_id))
   return results

@@ -85,3 +85,32 @@ def test_bad_stream_arguments_are_user_errors(params):
                         ([[5, 3]], dict(max_len=65), "max_len must be in")):
     with pytest.raises(UserError, match=msg):
       run(srcs, **kw)
+
+
+def test_the_loop_compiles_once_per_shape(params, sources, eos, caplog):
+  """Several returns to the host per source width (queues of 3), and the state made anew,
+  narrowed and refilled between them: one compile of the loop per width and cache ring,
+  not a second one for an input placed differently (an uncommitted state)."""
+  import logging
+  shapes = []
+  real = slots._jitted_loop(())
+
+  def loop(*args, **kw):
+    state = args[3]
+    shapes.append((state["src_valid"].shape, state["carry"]["state"][0]["k"].shape))
+    return real(*args, **kw)
+
+  monkeypatch = pytest.MonkeyPatch()
+  monkeypatch.setattr(slots, "_jitted_loop", lambda options=(): loop)
+  caplog.set_level(logging.WARNING, logger="jax._src.dispatch")
+  try:
+    with jax.log_compiles():
+      # Parameters as a checkpoint gives them: committed to a device.
+      slots.decode_stream(CFG.replace(max_len=CFG.max_len - 1),
+                          jax.device_put(params, jax.devices()[0]), sources, Greedy(),
+                          bos_id=BOS, eos_id=eos, slots=4, refill=2, queue=3)
+  finally:
+    monkeypatch.undo()
+  compiles = [r for r in caplog.records if "compilation of jit(_loop_impl)" in r.getMessage()]
+  assert len(shapes) > len(set(shapes)) >= 2          # shapes met more than once
+  assert len(compiles) == len(set(shapes)), [r.getMessage() for r in compiles]
