@@ -65,7 +65,8 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
   from seq2seq.translate import resolve_batching, translate_nbest
   beam, stop = STRATEGIES[strategy_name]
   strategy = Beam(size=beam, alpha=ALPHA, stop=stop) if beam > 1 else Greedy()
-  asked, batching = batching, resolve_batching(batching, strategy)
+  asked, batching = batching, resolve_batching(batching, strategy, len(sentences),
+                                                batch_size)
   seconds = []
   for _ in range(repeats + 1):
     stats = StreamStats()

@@ -90,14 +90,21 @@ def encode_sources(tokenizer, sentences: Sequence[str], max_len: int, *,
 BATCHING = ("auto", "slots", "fixed")
 
 
-def resolve_batching(batching: str, strategy: Strategy) -> str:
+def resolve_batching(batching: str, strategy: Strategy, num_sentences: int | None = None,
+                     batch_size: int = 64) -> str:
   """"auto": decode slots for greedy and sampling, fixed batches for beam search. Measured on
   real text (docs/performance.md, "Real text"): slots spend 96% of their steps on tokens
   against 68% for fixed batches, and greedy decodes 1.2x faster; a beam-search step moves
   every beam's whole cache, which the slots hold at full length where the fixed loop's
   early phases hold a quarter, so there the two take the same time and the slots compile
-  longer."""
-  return ("fixed" if isinstance(strategy, Beam) else "slots") if batching == "auto" else batching
+  longer. Greedy search of no more sentences than one batch holds (a line typed at a
+  terminal) has no slot to refill: fixed batches, whose step is cheaper (the same tokens)."""
+  if batching != "auto":
+    return batching
+  if isinstance(strategy, Beam):
+    return "fixed"
+  few = num_sentences is not None and num_sentences <= batch_size
+  return "fixed" if few and isinstance(strategy, Greedy) else "slots"
 
 
 def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
@@ -111,8 +118,8 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   Sources are `source_ids(tokenizer, s)`, padded to a multiple of `length_multiple` tokens
   so few shapes are compiled and reused.
 
-  batching: "auto" (`resolve_batching`: slots for greedy and sampling, fixed batches for
-    beam search), "slots" (`slots.decode_stream`): `batch_size` sentences decode together and
+  batching: "auto" (`resolve_batching`: slots for sampling, and for greedy search of more
+    sentences than a batch; fixed batches for beam search), "slots" (`slots.decode_stream`): `batch_size` sentences decode together and
     one that ends hands its place to the next, longest sources first; sentence j (counting
     the sentences decoded, not the skipped ones) samples with `fold_in(rng, j)`. "fixed":
     sorted by length, cut into batches of `batch_size` (rows rounded up to a power of two),
@@ -132,9 +139,9 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
          f"got {batching!r}")
   _check(max_len is None or (_is_int(max_len) and 1 <= max_len <= cfg.max_len),
          f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
-  batching = resolve_batching(batching, strategy)
-  pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
   sentences = _sentences(sentences)
+  batching = resolve_batching(batching, strategy, len(sentences), batch_size)
+  pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
   srcs, truncated = encode_sources(tokenizer, sentences, cfg.max_len, truncate=truncate)
   texts: list[list[str]] = [[""] for _ in srcs]
   scores: list[list[float]] = [[0.0] for _ in srcs]

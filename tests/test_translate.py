@@ -127,6 +127,19 @@ def test_translate_chunks_is_translate_nbest_chunk_by_chunk(params):
     next(tr.translate_chunks(params, CFG, tok, sentences, strategy, chunk_size=0))
 
 
+def test_auto_batching_chooses_by_strategy_and_sentence_count():
+  """Slots where a finished sentence has a successor to take its slot; fixed batches for
+  beam search, and for greedy search of at most one batch (the same tokens, a cheaper
+  step); sampling keeps the slots' one key per sentence whatever the count."""
+  resolve = tr.resolve_batching
+  assert resolve("auto", Greedy(), 65, 64) == "slots"
+  assert resolve("auto", Greedy(), 64, 64) == resolve("auto", Greedy(), 1, 64) == "fixed"
+  assert resolve("auto", Greedy()) == "slots"                 # a count not known
+  assert resolve("auto", Sample(temperature=1.0), 1, 64) == "slots"
+  assert resolve("auto", Beam(size=4), 1000, 64) == "fixed"
+  assert resolve("slots", Greedy(), 1, 64) == "slots" and resolve("fixed", Greedy()) == "fixed"
+
+
 @pytest.mark.parametrize("read", ["read_lines", "iter_lines"])
 def test_read_lines(tmp_path, read):
   """read_lines, and iter_lines one line at a time (decode.py's input), read alike; the
