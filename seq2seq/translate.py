@@ -119,8 +119,9 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   so few shapes are compiled and reused.
 
   batching: "auto" (`resolve_batching`: slots for sampling, and for greedy search of more
-    sentences than a batch; fixed batches for beam search), "slots" (`slots.decode_stream`): `batch_size` sentences decode together and
-    one that ends hands its place to the next, longest sources first; sentence j (counting
+    sentences than a batch; fixed batches for beam search), "slots"
+    (`slots.decode_stream`): `batch_size` sentences decode together and one that ends
+    hands its place to the next, longest sources first; sentence j (counting
     the sentences decoded, not the skipped ones) samples with `fold_in(rng, j)`. "fixed":
     sorted by length, cut into batches of `batch_size` (rows rounded up to a power of two),
     each decoded by `decoding.decode` until its slowest row ends; batch n samples with
