@@ -358,10 +358,13 @@ def ct2_rows(results: dict[str, dict | None], ct2: dict) -> list[dict]:
   return out
 
 
+def _verdict(ratio: float | None, need: float) -> str:
+  return "" if ratio is None else ("met" if ratio >= need else "MISSED")
+
+
 def ct2_table(rows: list[dict]) -> str:
   if not rows:
     return "CTranslate2: no decode workload measured by both."
-  met = lambda r, need: "" if r is None else ("met" if r >= need else "MISSED")  # noqa: E731
   lines = ["| decode (CTranslate2 measured here) | ours f32 | CT2 float32 | x | "
            f"{CT2_SAME_PRECISION}x | ours fastest | CT2 fastest | x | {CT2_FASTEST}x |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -369,9 +372,10 @@ def ct2_table(rows: list[dict]) -> str:
     f32 = "-" if r["f32_ratio"] is None else f"{r['f32_ratio']:.2f}"
     lines.append(
         f"| {r['preset']} {r['strategy']} | {_num(r['ours_f32'])} | {_num(r['ct2_f32'])} | "
-        f"{f32} | {met(r['f32_ratio'], CT2_SAME_PRECISION)} | {_num(r['ours_best'])} "
+        f"{f32} | {_verdict(r['f32_ratio'], CT2_SAME_PRECISION)} | {_num(r['ours_best'])} "
         f"{SHORT.get(r['ours_best_dtype'], r['ours_best_dtype'])} | {_num(r['ct2_best'])} "
-        f"{r['ct2_best_type']} | {r['best_ratio']:.2f} | {met(r['best_ratio'], CT2_FASTEST)} |")
+        f"{r['ct2_best_type']} | {r['best_ratio']:.2f} | "
+        f"{_verdict(r['best_ratio'], CT2_FASTEST)} |")
   return "\n".join(lines)
 
 
@@ -423,21 +427,21 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
 def translate_table(rows: list[dict]) -> str:
   if not rows:
     return "Real text: no file translated by both engines."
-  met = lambda r, need: "" if r is None else ("met" if r >= need else "MISSED")  # noqa: E731
   lines = ["| real text (bench_translate.py) | ours f32 | CT2 float32 | x | goal | ours fastest"
            " | CT2 fastest | x | goal | useful (≥ 90%) | first pass s | BLEU ours / CT2 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     f32 = "-" if r["f32_ratio"] is None else f"{r['f32_ratio']:.2f}"
-    useful = "-" if r["useful"] is None else f"{r['useful']:.1%} {met(r['useful'], USEFUL_GOAL)}"
+    useful = ("-" if r["useful"] is None
+              else f"{r['useful']:.1%} {_verdict(r['useful'], USEFUL_GOAL)}")
     bleu = ("-" if r["bleu_ours"] is None else
             f"{r['bleu_ours']:.2f} / {r['bleu_ct2']:.2f}")
     lines.append(
         f"| {r['source']} ({r['sentences']}) {r['strategy']} | {_num(r['ours_f32'])} | "
-        f"{_num(r['ct2_f32'])} | {f32} | {r['goal']}x {met(r['f32_ratio'], r['goal'])} | "
+        f"{_num(r['ct2_f32'])} | {f32} | {r['goal']}x {_verdict(r['f32_ratio'], r['goal'])} | "
         f"{_num(r['ours_best'])} {SHORT.get(r['ours_best_dtype'], r['ours_best_dtype'])} | "
         f"{_num(r['ct2_best'])} {r['ct2_best_type']} | {r['best_ratio']:.2f} | "
-        f"{r['goal']}x {met(r['best_ratio'], r['goal'])} | {useful} | "
+        f"{r['goal']}x {_verdict(r['best_ratio'], r['goal'])} | {useful} | "
         f"{_num(r['first_pass_s'])} | {bleu} |")
   return "\n".join(lines)
 

@@ -26,8 +26,9 @@ no slot holds a longer source, and the last sentences to finish are the shortest
 
 Every row keeps its own step (`Transformer.decode_step` takes per-row positions), so a
 sentence decodes as `decode` decodes it alone (the same function; the ring turns the order
-of the keys, so float32 sums may round differently in the last bit). Sampling draws from one key per sentence,
-folded with its index: its translation does not depend on the sentences beside it.
+of the keys, so float32 sums may round differently in the last bit). Sampling draws from
+one key per sentence, folded with its index: its translation does not depend on the
+sentences beside it.
 """
 from __future__ import annotations
 

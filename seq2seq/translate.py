@@ -152,10 +152,10 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   params = decode_params(cfg, _variables(params))   # once, not per batch
   bos = int(tokenizer.bos_id)
   if batching == "slots":
-    out = [] if not todo else slots.decode_stream(cfg, params, [srcs[i] for i in todo], strategy, bos_id=bos,
-                              eos_id=eos, pad_id=pad, slots=batch_size, max_len=max_len,
-                              rng=rng, length_multiple=length_multiple, progress=progress,
-                              stats=stats)
+    out = [] if not todo else slots.decode_stream(
+        cfg, params, [srcs[i] for i in todo], strategy, bos_id=bos, eos_id=eos, pad_id=pad,
+        slots=batch_size, max_len=max_len, rng=rng, length_multiple=length_multiple,
+        progress=progress, stats=stats)
     num_tokens = 0
     for i, (toks, scr, lens) in zip(todo, out):
       # An empty beam slot (score -inf) is dropped; the best hypothesis is always kept.

@@ -195,6 +195,15 @@ def test_nothing_measured_reads_as_such():
   assert scorecard.summary(rows).startswith(f"0 of {n} targets met, 0 missed, {n} not measured")
 
 
+def _results_dir(tmp_path):
+  """A results directory holding every fixture, as `scorecard.py --read` reads one."""
+  d = tmp_path / "results"
+  d.mkdir()
+  for name in scorecard.RUNS:
+    (d / f"{name}.json").write_text(json.dumps(_fixture(name)))
+  return d
+
+
 def test_cli_writes_the_table_and_refuses_bad_input(tmp_path):
   for name in scorecard.RUNS:
     shutil.copy(os.path.join(FIXTURES, f"{name}.json"), tmp_path)
@@ -426,10 +435,7 @@ def test_ctranslate2_table_puts_each_workload_beside_ct2_in_both_views(tmp_path)
   only_small = dict(ct2, results=[r for r in ct2["results"] if r["preset"] == "small"])
   assert {r["preset"] for r in scorecard.ct2_rows(results, only_small)} == {"small"}
   # the CLI: the table in scorecard.md, a bad file in one line
-  d = tmp_path / "results"
-  d.mkdir()
-  for name in scorecard.RUNS:
-    (d / f"{name}.json").write_text(json.dumps(_fixture(name)))
+  d = _results_dir(tmp_path)
   (tmp_path / "ct2.json").write_text(json.dumps(ct2))
   assert scorecard.main(["--read", "--dir", str(d), "--ct2", str(tmp_path / "ct2.json")]) == 0
   assert "CTranslate2 measured here" in (d / "scorecard.md").read_text()
@@ -441,8 +447,9 @@ def test_ctranslate2_table_puts_each_workload_beside_ct2_in_both_views(tmp_path)
 
 def test_real_text_table_puts_decode_py_beside_ct2(tmp_path):
   """bench_translate.py's JSON (a real run, trimmed): per strategy measured by both engines,
-  ours as decode.py runs it (batching "auto", beam stop rule "count") against CTranslate2, f32 against float32 and
-  fastest against fastest, with the share of useful slot-steps and both engines' BLEU."""
+  ours as decode.py runs it (batching "auto", beam stop rule "count") against CTranslate2,
+  f32 against float32 and fastest against fastest, with the share of useful slot-steps and
+  both engines' BLEU."""
   res = _fixture("translate")
   rows = scorecard.translate_rows({"t.json": res})
   assert {r["strategy"] for r in rows} == {"greedy", "beam4"}
@@ -468,10 +475,7 @@ def test_real_text_table_puts_decode_py_beside_ct2(tmp_path):
     assert cells[4].endswith("met" if r["f32_ratio"] >= goal else "MISSED"), line
     assert cells[8].endswith("met" if r["best_ratio"] >= goal else "MISSED"), line
   # the CLI: the table in scorecard.md and real_text in scorecard.json
-  d = tmp_path / "results"
-  d.mkdir()
-  for name in scorecard.RUNS:
-    (d / f"{name}.json").write_text(json.dumps(_fixture(name)))
+  d = _results_dir(tmp_path)
   (tmp_path / "t.json").write_text(json.dumps(res))
   assert scorecard.main(["--read", "--dir", str(d), "--translate", str(tmp_path / "t.json")]) == 0
   assert "real text (bench_translate.py)" in (d / "scorecard.md").read_text()
