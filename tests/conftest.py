@@ -21,16 +21,9 @@ def compile_cache(tmp_path_factory):
   """train.py and decode.py keep compiled programs in ~/.cache/seq2seq/jax; tests (and the
   scripts they start) leave the home directory alone and share one cache in the session's
   temporary directory instead: most scripts the tests start compile the same tiny programs.
-  Tests of the cache itself, or of compile times, give their own.
-
-  JAX keeps only programs that took a second or more to compile; here every one is kept
-  (the scripts' tiny programs take less, and dozens of train.py runs compile the same)."""
+  Tests of the cache itself, or of compile times, give their own."""
   if "SEQ2SEQ_COMPILE_CACHE" not in os.environ:
     os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(_session_dir(tmp_path_factory) / "jax_cache")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  import jax
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
   from seq2seq import compile_cache  # the tests' own programs too: many compile alike
   compile_cache.enable()
 
