@@ -243,7 +243,7 @@ class InputWatch:
         self.long += bool(long)
         if unseen or long:
           self.flagged += 1
-          if len(self.first) < 6:
+          if len(self.first) < 5:
             self.first.append(i)
       yield line
 
@@ -258,7 +258,7 @@ class InputWatch:
     if self.long:
       why.append(f"{self.long} longer than the longest training source "
                  f"({self.record.longest} tokens)")
-    shown = (", ".join(str(i + 1) for i in self.first[:5])
+    shown = (", ".join(str(i + 1) for i in self.first)
              + (", ..." if self.flagged > 5 else ""))
     return (f"warning: {self.flagged} input line(s) unlike anything the model was trained on, "
             f"so their translations are guesses (line {shown}): {', '.join(why)}"

@@ -75,7 +75,9 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
                           batching=batching, stats=stats)
     seconds.append(time.perf_counter() - t)
   row = dict(system="seq2seq", precision=model_cfg.dtype, strategy=strategy_name,
-             batching=batching, batching_asked=asked, first_pass_s=seconds[0],
+             batching=batching, batching_asked=asked,
+             auto_batching=resolve_batching("auto", strategy, len(sentences), batch_size),
+             first_pass_s=seconds[0],
              seconds=seconds[1:],
              new_tokens=out.num_tokens, hypotheses=[t[0] for t in out.texts])
   if batching == "slots":   # the share of slot-steps that made a token of a best hypothesis

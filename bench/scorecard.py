@@ -394,9 +394,10 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
   for path, res in files.items():
     ours, theirs = collections.defaultdict(dict), collections.defaultdict(dict)
     rows = [r for r in res.get("rows", []) if "error" not in r]
-    # Ours as decode.py runs it (batching "auto": slots for greedy, fixed for beam search).
-    auto = lambda r: r["batching"] == ("fixed" if r["strategy"].startswith("beam")  # noqa: E731
-                                       else "slots")
+    # Ours as decode.py runs it (batching "auto", as the row records it resolves; results
+    # written before rows said so: slots for greedy, fixed for beam search).
+    auto = lambda r: r["batching"] == r.get("auto_batching", (  # noqa: E731
+        "fixed" if r["strategy"].startswith("beam") else "slots"))
     # ... and its beam stop rule, "count" (CTranslate2's own with a length penalty).
     counted = any(r["strategy"] == "beam4_count" for r in rows)
     for r in rows:
