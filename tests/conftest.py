@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# The tests compile some thousand tiny programs and run each a few times, so compiling is
-# most of their time: they ask XLA:CPU for its quick code generation (the same HLO passes
+# The tests compile many tiny programs and run each a few times, so compiling is most
+# of their time: they ask XLA:CPU for its quick code generation (the same HLO passes
 # and fusions, less optimised machine code): ~25% less time per compile, a full run 12
 # instead of 14-15 minutes on 2 cores. The scripts the tests start inherit it (those that
 # set their own XLA_FLAGS add QUICK_COMPILES); the README's main job (`default_run`) runs
