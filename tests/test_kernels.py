@@ -10,7 +10,11 @@ float32: logits 2e-5, loss 1e-6 relative, gradients 1e-5, the same greedy and be
 bfloat16: logits 0.02, loss 1e-3 relative, gradients 0.03 (the cpu table's backward
 matmuls round the incoming gradient to bf16, autodiff's keep it in f32: ~1% apart), and
 no token check (a near-tie between two tokens may fall either way). Measured differences
-are 10-100x below these.
+are 10-100x below these on CPUs. A bf16 quantity outside its tolerance still passes where
+it is no further from the float32 model than twice the bf16 reference is (FlashAttention's
+criterion): cuDNN's fused attention rounds in another order than the reference, and the
+bf16 reference is itself 0.03-0.04 from the f32 logits in this model (the GPU gave 0.027-
+0.041 between the two bf16 paths).
 """
 import dataclasses
 
@@ -479,18 +483,47 @@ def _everything(table, dtype, pre_ln, packed, params, dropout=0.0, even=False,
   return out
 
 
-def assert_same_function(got: dict, want: dict, dtype: str):
-  """The tolerances of this module's docstring."""
+def _max_diff(a, b) -> float:
+  return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+
+
+def _bf16_close(name, got, want, f32_value, atol):
+  """|got - want| <= atol, or got no further from the float32 model's value (f32_value(),
+  asked for only here) than twice want is."""
+  d = _max_diff(got, want)
+  if d <= atol:
+    return
+  assert f32_value is not None, f"{name}: {d:.4g} apart (tolerance {atol:.3g})"
+  t = f32_value()
+  g, w = _max_diff(got, t), _max_diff(want, t)
+  assert g <= 2 * w, (f"{name}: {d:.4g} apart (tolerance {atol:.3g}), and {g:.4g} from "
+                      f"the float32 model against the bf16 reference's {w:.4g}")
+
+
+def assert_same_function(got: dict, want: dict, dtype: str, truth=None):
+  """The tolerances of this module's docstring. bf16: `truth()` gives the float32
+  reference's results, asked for only where a tolerance is missed."""
   f32 = dtype == "float32"
-  np.testing.assert_allclose(got["logits"], want["logits"], atol=2e-5 if f32 else 0.02, rtol=0)
-  np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6 if f32 else 1e-3)
+  leaves = lambda d: jax.tree_util.tree_leaves(d["grads"])
+  scale = max(float(jnp.abs(g).max()) for g in leaves(want))
+  of_truth = (lambda get: (lambda: get(truth()))) if truth else (lambda get: None)
+  if f32:
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+  else:
+    _bf16_close("logits", got["logits"], want["logits"], of_truth(lambda d: d["logits"]), 0.02)
+    _bf16_close("loss", got["loss"], want["loss"], of_truth(lambda d: d["loss"]),
+                1e-3 * abs(want["loss"]))
   assert got["tokens"] == want["tokens"]
   assert abs(got["correct"] - want["correct"]) <= (0 if f32 else 1)
-  scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(want["grads"]))
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got["grads"]),
-                          jax.tree_util.tree_leaves(want["grads"])):
-    np.testing.assert_allclose(a, b, atol=(1e-5 if f32 else 0.03) * scale, rtol=0,
-                               err_msg=jax.tree_util.keystr(path))
+  for i, ((path, a), b) in enumerate(zip(jax.tree_util.tree_leaves_with_path(got["grads"]),
+                                         leaves(want))):
+    if f32:
+      np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0,
+                                 err_msg=jax.tree_util.keystr(path))
+    else:
+      _bf16_close(jax.tree_util.keystr(path), a, b,
+                  of_truth(lambda d, i=i: leaves(d)[i]), 0.03 * scale)
   if f32 and "greedy" in got:   # bf16 roundings may flip a near-tie between two tokens
     np.testing.assert_array_equal(got["greedy"], want["greedy"])
     np.testing.assert_array_equal(got["beam"], want["beam"])
@@ -512,6 +545,15 @@ def _reference(dtype, pre_ln, packed, params):
   return _REFERENCE_CACHE[key]
 
 
+def _float32_model(pre_ln, packed, params, even=False):
+  """The reference's logits, loss and gradients in float32 (the bf16 criterion's truth)."""
+  key = ("float32-model", pre_ln, packed, even)
+  if key not in _REFERENCE_CACHE:
+    _REFERENCE_CACHE[key] = _everything("reference", "float32", pre_ln, packed, params,
+                                        even=even, decode=False)
+  return _REFERENCE_CACHE[key]
+
+
 @pytest.mark.parametrize("table", ["cpu", pytest.param("accelerator", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype,pre_ln,packed", [
     ("float32", False, False),
@@ -520,7 +562,8 @@ def _reference(dtype, pre_ln, packed, params):
     pytest.param("bfloat16", True, False, marks=pytest.mark.slow)])
 def test_every_kernels_table_computes_the_reference_model(table, dtype, pre_ln, packed, params):
   want = _reference(dtype, pre_ln, packed, params)
-  assert_same_function(_everything(table, dtype, pre_ln, packed, params), want, dtype)
+  assert_same_function(_everything(table, dtype, pre_ln, packed, params), want, dtype,
+                       truth=lambda: _float32_model(pre_ln, packed, params))
 
 
 @pytest.mark.slow
@@ -531,7 +574,8 @@ def test_accelerator_bf16_model_with_even_lengths_computes_the_reference_model(p
   loss and gradients equal the reference's within the bf16 tolerances."""
   want = _everything("reference", "bfloat16", False, packed, params, even=True, decode=False)
   got = _everything("accelerator", "bfloat16", False, packed, params, even=True, decode=False)
-  assert_same_function(got, want, "bfloat16")
+  assert_same_function(got, want, "bfloat16",
+                       truth=lambda: _float32_model(False, packed, params, even=True))
 
 
 @pytest.mark.slow
@@ -564,6 +608,24 @@ def test_a_perturbed_kernel_is_caught(params, monkeypatch, perturb):
   with pytest.raises(AssertionError):
     assert_same_function(_everything("cpu", "float32", False, False, params, decode=False),
                          want, "float32")
+
+
+@pytest.mark.slow
+def test_the_bf16_comparison_takes_other_roundings_but_not_a_wrong_kernel(params, monkeypatch):
+  """The bf16 criterion's second chance: the float32 model itself (0.03-0.04 from the bf16
+  reference's logits) passes for a bf16 table, as a kernel that rounds in another order
+  would; attention scores scaled by 1.02 in bf16 are still caught."""
+  want = _reference("bfloat16", False, True, params)
+  truth = lambda: _float32_model(False, True, params)
+  with pytest.raises(AssertionError, match="apart"):
+    assert_same_function(truth(), want, "bfloat16")             # no second chance
+  assert_same_function(truth(), want, "bfloat16", truth=truth)
+  wrong = lambda q, k, v, mask=None, **kw: cpu.attention(q * 1.02, k, v, mask, **kw)
+  monkeypatch.setitem(kernels._TABLES, "cpu", dataclasses.replace(
+      kernels.CPU, attention=kernels.sharing_keys(wrong)))
+  with pytest.raises(AssertionError, match="from the float32 model"):
+    assert_same_function(_everything("cpu", "bfloat16", False, True, params, decode=False),
+                         want, "bfloat16", truth=truth)
 
 
 def test_parameters_are_the_same_whichever_table():

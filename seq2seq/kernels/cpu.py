@@ -278,10 +278,10 @@ def _this_cpu_has_avx512() -> bool:
 
 def decode_compiler_options(cfg) -> dict:
   """The XLA:CPU options of the decode loop of `cfg`: XLA_DOTS or {} (XLA's defaults)."""
-  if cfg.dtype != "float32" or jax.default_backend() != "cpu":
-    return {}
   if F32_DOTS not in ("auto", "xla", "ynnpack"):
     raise ValueError(f"F32_DOTS must be auto, xla or ynnpack, got {F32_DOTS!r}")
+  if cfg.dtype != "float32" or jax.default_backend() != "cpu":
+    return {}
   if F32_DOTS == "auto":
     return {} if _this_cpu_has_avx512() else XLA_DOTS
   return XLA_DOTS if F32_DOTS == "xla" else {}
