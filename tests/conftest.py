@@ -13,12 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # The tests compile many tiny programs and run each a few times, so compiling is most
 # of their time: they ask XLA:CPU for its quick code generation (the same HLO passes
 # and fusions, less optimised machine code): ~25% less time per compile, a full run 12
-# instead of 14-15 minutes on 2 cores. The scripts the tests start inherit it (those that
-# set their own XLA_FLAGS add QUICK_COMPILES); the README's main job (`default_run`) runs
+# instead of 14-15 minutes on 2 cores. On a GPU they skip XLA's autotuning (each backend
+# ignores the other's flags) and use deterministic ops: scatter-adds and cuDNN's
+# attention backward otherwise sum in a varying order (on the first GPU run, a resumed
+# run was not bit-identical to the uninterrupted one without them). The scripts the tests start inherit them (those that
+# set their own XLA_FLAGS add TEST_XLA_FLAGS); the README's main job (`default_run`) runs
 # as a user runs it.
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
-QUICK_COMPILES = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = f"{USER_XLA_FLAGS or ''} {QUICK_COMPILES}".strip()
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                  "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true")
+os.environ["XLA_FLAGS"] = f"{USER_XLA_FLAGS or ''} {TEST_XLA_FLAGS}".strip()
 
 
 def _session_dir(tmp_path_factory) -> Path:

@@ -27,7 +27,7 @@ from seq2seq import translate  # noqa: E402
 from seq2seq.errors import UserError  # noqa: E402
 from seq2seq.search import Beam, Greedy, Sample  # noqa: E402
 from seq2seq.checkpoint import Checkpoints, load_workdir  # noqa: E402
-from conftest import QUICK_COMPILES  # noqa: E402
+from conftest import TEST_XLA_FLAGS  # noqa: E402
 
 MAX_LEN = 64
 MAX_SRC_LEN = 32
@@ -55,7 +55,7 @@ def train_args(root):
 
 def run_train(root):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   return subprocess.run([sys.executable, str(ROOT / "train.py"), *train_args(root)], env=env,
                         cwd=str(ROOT), capture_output=True, text=True, timeout=300)
 
@@ -240,7 +240,7 @@ def test_reference_must_match_the_input(workdir, tmp_path, capsys, monkeypatch):
 
 def test_the_real_script_reads_standard_input(workdir):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(workdir),
                       "--beam-size", "1"], input=f"seven\n\n{UNSEEN}\n".encode(),
                      capture_output=True, env=env, cwd=str(ROOT), timeout=120)
@@ -254,7 +254,7 @@ def test_the_real_script_reads_standard_input(workdir):
 def test_output_that_cannot_be_written_is_one_line(workdir):
   """Standard output on a full disk: one line and exit 2, not a traceback."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   with open("/dev/full", "w") as full:
     p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(workdir),
                         "--beam-size", "1", "seven"], stdout=full, stderr=subprocess.PIPE,
@@ -290,7 +290,7 @@ WITH_CTRL_C = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
 
 def _popen_decode(workdir, *argv, **kw):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   return subprocess.Popen(
       [sys.executable, "-c", WITH_CTRL_C, str(ROOT / "decode.py"), "--workdir", str(workdir),
        *map(str, argv)], env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
@@ -519,7 +519,7 @@ def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir
   cache = tmp_path / "cache"
   env = dict(os.environ, SEQ2SEQ_COMPILE_CACHE=str(cache), JAX_DEBUG_LOG_MODULES="jax._src.compiler",
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")   # however fast the compile
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
 
   def decode(env):
     p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(workdir),
@@ -667,7 +667,7 @@ def test_load_workdir_prints_nothing_and_leaves_logging_alone(workdir):
           "load_workdir(sys.argv[1])\n"
           "logging.getLogger('absl').warning('the program speaks')\n")
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   p = subprocess.run([sys.executable, "-c", code, str(workdir)], env=env, cwd=str(ROOT),
                      capture_output=True, text=True, timeout=120)
   assert p.returncode == 0, p.stderr[-2000:]

@@ -25,7 +25,7 @@ from seq2seq import checkpoint as ckpt_lib  # noqa: E402
 from seq2seq import state as state_lib  # noqa: E402
 from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
 from seq2seq.state import abstract_state  # noqa: E402
-from conftest import QUICK_COMPILES  # noqa: E402
+from conftest import TEST_XLA_FLAGS  # noqa: E402
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def tiny_args(corpus, workdir, data_dir, steps=30, extra=()):
 
 def run_train(args, env_extra=None, timeout=240, check=True):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   env.update(env_extra or {})
   p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=env,
                      capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
@@ -96,7 +96,7 @@ def trained(corpus, tmp_path_factory):
 # --- the step -----------------------------------------------------------------------------
 
 def test_sharded_step_equals_single_device_step():
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {QUICK_COMPILES}",
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}",
              JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, str(ROOT / "tests" / "step_equivalence.py")],
                        env=env, capture_output=True, text=True, timeout=600)
@@ -182,7 +182,7 @@ def test_sigterm_and_ctrl_c_save_and_exit_cleanly(corpus, trained, tmp_path, sig
   workdir = tmp_path / "term"
   args = tiny_args(corpus, workdir, data_dir, steps=100000)
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
@@ -511,7 +511,7 @@ def test_two_runs_on_one_workdir_one_trains_the_other_is_refused(corpus, trained
   _, data_dir = trained
   workdir = tmp_path / "w"
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"),
                              *tiny_args(corpus, workdir, data_dir, 20)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -544,7 +544,7 @@ def test_a_save_whose_directory_vanishes_ends_the_run_in_one_line_at_once(corpus
   _, data_dir = trained
   workdir = tmp_path / "w"
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *tiny_args(
       corpus, workdir, data_dir, 100000, ["--config.train.checkpoint_every=1",
                                           "--config.train.log_every=1"])],
@@ -590,7 +590,7 @@ def test_a_full_disk_is_one_line_and_the_next_run_resumes(corpus, trained, tmp_p
   shutil.copytree(trained[0], workdir)
   args = tiny_args(corpus, workdir, trained[1], steps=40)
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   p = subprocess.run(["bash", "-c", 'ulimit -f 8 && exec "$0" "$@"', sys.executable,
                       str(ROOT / "train.py"), *args], env=env, text=True,
                      capture_output=True, timeout=240, cwd=str(ROOT))
@@ -627,7 +627,7 @@ def on_a_full_disk(tmp_path, free_kib, command, timeout=240):
   """Runs `command` (which finds the workdir at tmp_path/disk/w) on a full file system."""
   (tmp_path / "disk").mkdir()
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
                       FULL_DISK, "full_disk", str(tmp_path), str(free_kib), *command],
                      env=env, text=True, capture_output=True, timeout=timeout, cwd=str(ROOT))
@@ -720,7 +720,7 @@ def test_a_batch_too_large_for_memory_is_one_line_and_the_checkpoints_stay(corpu
   shutil.copytree(trained[0], workdir)
   before = tree_hash(workdir / "checkpoints")
   env = dict(os.environ, JAX_PLATFORMS="cpu")   # (a GPU's runtime needs more address space)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   p = subprocess.run(["bash", "-c", 'ulimit -v 6000000 && exec "$0" "$@"', sys.executable,
                       str(ROOT / "train.py"), *tiny_args(
                           corpus, workdir, trained[1], 40,
@@ -800,7 +800,7 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once(corpus, trained, tmp_path)
   workdir = tmp_path / "copy"
   shutil.copytree(trained[0], workdir)
   env = dict(os.environ)
-  env["XLA_FLAGS"] = QUICK_COMPILES   # not the caller's device count
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS   # not the caller's device count
   from test_decode_cli import WITH_CTRL_C   # train.py with Ctrl-C handled, as from a terminal
   proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, str(ROOT / "train.py"),
                            *tiny_args(corpus, workdir, trained[1])], env=env,
@@ -889,13 +889,13 @@ def test_two_processes_agree_with_one(corpus, trained, tmp_path):
   # A fixed shard count makes the batches independent of the number of hosts.
   extra = ["--config.train.checkpoint_every=6", "--config.train.log_every=2",
            "--config.data.num_shards=2"]
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {QUICK_COMPILES}",
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {TEST_XLA_FLAGS}",
              JAX_PLATFORMS="cpu")
   one = tmp_path / "one"
   subprocess.run([sys.executable, str(ROOT / "train.py"),
                   *tiny_args(corpus, one, data_dir, steps, extra)], env=env, check=True,
                  capture_output=True, timeout=300)
-  env2 = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {QUICK_COMPILES}",
+  env2 = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}",
               SEQ2SEQ_DIST_TIMEOUT="60")
   two = tmp_path / "two"
   port = _free_port()
@@ -929,7 +929,7 @@ def test_when_one_process_dies_the_other_stops_and_the_run_resumes(corpus, train
   _, data_dir = trained
   extra = ["--config.train.checkpoint_every=10", "--config.train.log_every=10",
            "--config.data.num_shards=2"]
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {QUICK_COMPILES}",
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}",
              JAX_PLATFORMS="cpu", SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="5")
   work = tmp_path / "w"
   port = _free_port()
@@ -957,7 +957,7 @@ def test_when_one_process_dies_the_other_stops_and_the_run_resumes(corpus, train
   assert "another task died" in err, err[-2000:]
   last = ckpt_lib.Checkpoints(work, read_only=True).steps()[-1]
   params_of(work, last)  # the newest checkpoint restores
-  four = f"--xla_force_host_platform_device_count=4 {QUICK_COMPILES}"
+  four = f"--xla_force_host_platform_device_count=4 {TEST_XLA_FLAGS}"
   p = run_train(tiny_args(corpus, work, data_dir, last + 5, extra), env_extra={"XLA_FLAGS": four})
   assert f"resuming from {work / 'checkpoints' / str(last)} (step {last})" in p.stdout + p.stderr
   rows = [json.loads(r) for r in (work / "metrics.jsonl").read_text().splitlines()]
