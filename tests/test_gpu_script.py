@@ -249,6 +249,22 @@ def test_no_time_left_skips_every_step_and_a_bad_stage_is_one_line(tmp_path, cap
   assert err.count("\n") == 1 and "unknown stage 'speed'" in err
 
 
+def test_skip_leaves_out_the_steps_named_and_pytest_k_narrows_the_tests(tmp_path):
+  out = tmp_path / "out"
+  assert gpu_run.main(["compile", "--dry_run", "--out", str(out), "--work", str(tmp_path / "w"),
+                       "--skip", "compile/as_is,compile/xla_attention,compile/no_autotuning"]
+                      ) == 0
+  s = _stage(out, "compile")
+  assert s["status"] == "skipped" and [x["skipped"] for x in s["steps"]] == ["--skip"] * 3
+  import types
+  args = types.SimpleNamespace(dry_run=False, pytest_k="sigkill or bf16")
+  steps, _ = gpu_run.correctness(args, tmp_path)
+  kernel, ckpt = steps[0].argv, steps[1].argv
+  assert kernel[kernel.index("-k"):] == ["-k", "sigkill or bf16"]
+  i = ckpt.index("-k") + 1
+  assert ckpt[i].startswith("(complete_workdir or ") and ckpt[i].endswith(") and (sigkill or bf16)")
+
+
 class _Parsed(Exception):
   """Raised by a script's argument parser once it has read the arguments."""
 
@@ -266,7 +282,7 @@ def test_every_device_command_parses_with_its_scripts_own_flags(monkeypatch, tmp
   monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
   monkeypatch.syspath_prepend(str(ROOT))
   monkeypatch.syspath_prepend(str(ROOT / "bench"))
-  args = types.SimpleNamespace(dry_run=False, bible_dir=str(ROOT / "data" / "bible"))
+  args = types.SimpleNamespace(dry_run=False, bible_dir=str(ROOT / "data" / "bible"), pytest_k="")
   seen = set()
   for stage in gpu_run.STAGES:
     steps, _ = gpu_run.STAGE_BUILDERS[stage](args, tmp_path)

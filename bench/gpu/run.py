@@ -1,9 +1,13 @@
 """The project on one GPU: correctness, training and decoding speed, a real run, and an
 out-of-memory run, each stage ending in a JSON file, in one command.
 
-    bench/gpu/run.sh correctness,train_speed --deadline_s 350     # first device call
-    bench/gpu/run.sh bible,oom,decode_speed --deadline_s 350      # second device call
+    bench/gpu/run.sh compile,correctness --deadline_s 420 --skip correctness/checkpoint_tests
+    bench/gpu/run.sh train_speed,decode_speed --deadline_s 420      # then bible,oom
     bench/gpu/run.sh all --dry_run          # every stage, tiny, on a CPU: catches typos
+
+(A session has 15 device minutes: docs/performance.md, "GPU", says what the first run
+took and what to run next. --skip STAGE/STEP,... leaves steps out; --pytest_k narrows the
+correctness tests.)
 
 Writes to --out (default $OUT, else bench/results/gpu):
   run.json      the machine (nvidia-smi, versions, JAX's devices), the wheels installed,
@@ -23,6 +27,10 @@ Stages (see docs/performance.md, "GPU"):
                 JAX_DEFAULT_MATMUL_PRECISION=highest, else TF32 would break the f32
                 tolerances); then checks.py attention: cuDNN's fused attention
                 (`__cudnn$fmha`) in the compiled train step and decode loops, or not
+  compile       the first train step of `small` (bf16, 128 x 256) three ways, a few steps
+                each: as it is, with JAX's compile log (seconds tracing, lowering, in
+                XLA; the slowest programs), with SEQ2SEQ_ATTENTION=xla (no cuDNN), and
+                with XLA's autotuning off (--xla_gpu_autotune_level=0)
   train_speed   bench_train.py --workload gpu (small, base, big; bf16) and, where torch is
                 installed, bench_peers_torch.py's nn.Transformer on the same GPU (eager,
                 then torch.compile for base)
@@ -64,7 +72,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("correctness", "train_speed", "decode_speed", "bible", "oom")
+STAGES = ("correctness", "compile", "train_speed", "decode_speed", "bible", "oom")
 # The packages the device image lacks (imported by the project, by module name).
 NEEDED_MODULES = ("tensorflow_datasets", "array_record", "tensorboardX", "num2words")
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
@@ -365,6 +373,12 @@ def correctness(args, work: Path) -> tuple[list[Step], Callable]:
       argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
               "--dist", "load", f"--junitxml={junit}", *sel]
       parse = (lambda j: lambda text, rc: _junit(j))(junit)
+    if args.pytest_k:   # a narrower selection (e.g. the tests that failed last time)
+      if "-k" in argv:
+        i = argv.index("-k") + 1
+        argv = argv[:i] + [f"({argv[i]}) and ({args.pytest_k})"] + argv[i + 1:]
+      else:
+        argv = argv + ["-k", args.pytest_k]
     steps.append(Step(name, argv, 240 if name.startswith("kernel") else 200, pytest_env,
                       parse))
   shape = (["--preset", "tiny", "--workload", "dry", "--batch", "2", "--length", "16",
@@ -420,7 +434,7 @@ def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
     steps.append(Step(f"jax_{preset}", [py, "bench/bench_train.py", "--presets", preset,
                                         "--dtypes", "bfloat16", *jax_kw,
                                         "--out", str(work / f"train_jax_{preset}.json")],
-                      200 if preset == "big" else 150,
+                      {"small": 180, "base": 240}.get(preset, 300),   # compiles: 113 s for small
                       parse=(lambda p: lambda t, rc: _json_rows(p))(
                           work / f"train_jax_{preset}.json")))
     steps.append(Step(f"torch_{preset}", [py, "bench/bench_peers_torch.py", "--presets",
@@ -456,6 +470,59 @@ def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
       if j and (tr or tc):
         best = max(x["tokens_per_s"] for x in (tr, tc) if x)
         out[f"{preset}/jax_vs_best_torch"] = j["tokens_per_s"] / best
+    return out
+  return steps, summarize
+
+
+COMPILE_LOG = re.compile(r"Finished (tracing|jaxpr to MLIR module conversion|XLA compilation "
+                         r"of) (\S+).*? in ([\d.]+) sec")
+
+
+def compile_log(text: str) -> dict:
+  """JAX's compile log (JAX_LOG_COMPILES=1): seconds per phase, summed, and the slowest
+  programs' XLA compilations."""
+  phases, xla = {}, []
+  for phase, name, secs in COMPILE_LOG.findall(text):
+    key = {"tracing": "trace", "XLA compilation of": "xla"}.get(phase, "lower")
+    phases[key] = round(phases.get(key, 0.0) + float(secs), 2)
+    if key == "xla":
+      xla.append((float(secs), name))
+  return dict(phase_s=phases, slowest_xla=[dict(program=n, s=round(t, 2))
+                                           for t, n in sorted(xla, reverse=True)[:5]])
+
+
+def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
+  """Where the first train step's time goes on this machine: `small` in bf16 as it is
+  (with JAX's compile log: tracing, lowering, XLA), with XLA's attention instead of
+  cuDNN's, and without XLA's autotuning, a few steps each (their speed too)."""
+  py = sys.executable
+  preset, kw = (("tiny", ["--workload", "dry", "--steps", "1", "--warmup", "0", "--peak_n",
+                          "128"]) if args.dry_run else
+                ("small", ["--workload", "gpu", "--steps", "3", "--warmup", "1", "--peak_n",
+                           "1024"]))
+  variants = [("as_is", {"JAX_LOG_COMPILES": "1"}),
+              ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"}),
+              ("no_autotuning", {"XLA_FLAGS": " ".join(
+                  [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0"]).strip()})]
+  steps = []
+  for name, env in variants:
+    path = work / f"compile_{name}.json"
+    steps.append(Step(name, [py, "bench/bench_train.py", "--presets", preset, "--dtypes",
+                             "bfloat16", *kw, "--out", str(path)], 150, env=env,
+                      parse=(lambda p: lambda t, rc: dict(_json_rows(p), log=compile_log(t)))(
+                          path)))
+
+  def summarize(done):
+    out = {}
+    for s in done:
+      rows = [r for r in s.get("rows", []) if not r.get("failed")]
+      if rows:
+        r = rows[0]
+        out[s["name"]] = dict(compile_s=r.get("compile_s"), tokens_per_s=r.get("tokens_per_s"),
+                              attention=[v.get("train", {}).get("ok") for v in
+                                         (r.get("attention") or [])])
+      if (s.get("log") or {}).get("phase_s"):
+        out.setdefault(s["name"], {})["log"] = s["log"]
     return out
   return steps, summarize
 
@@ -673,7 +740,7 @@ def _last_lines(text: str, rc: int) -> dict:
               traceback="Traceback (most recent call last)" in text)
 
 
-STAGE_BUILDERS = dict(correctness=correctness, train_speed=train_speed,
+STAGE_BUILDERS = dict(correctness=correctness, compile=compile_time, train_speed=train_speed,
                       decode_speed=decode_speed, bible=bible, oom=oom)
 
 
@@ -735,6 +802,11 @@ def main(argv=None) -> int:
   ap.add_argument("--bible_dir", default="data/bible")
   ap.add_argument("--wheels", default=str(ROOT / ".whl"))
   ap.add_argument("--site", default="/tmp/site")
+  ap.add_argument("--pytest_k", default="",
+                  help="correctness: only the tests pytest -k selects with this expression")
+  ap.add_argument("--skip", default="",
+                  help="comma-separated STAGE/STEP names not to run (e.g. "
+                       "train_speed/torch_compiled_base,decode_speed/jax_xla_attention)")
   args = ap.parse_args(argv)
   stages = list(STAGES) if args.stages == "all" else args.stages.split(",")
   bad = [s for s in stages if s not in STAGES]
@@ -742,6 +814,7 @@ def main(argv=None) -> int:
     print(f"error: unknown stage {bad[0]!r}; choose from {', '.join(STAGES)} or all",
           file=sys.stderr)
     return 2
+  skips = {s for s in args.skip.split(",") if s}
   out, work = Path(args.out), Path(args.work)
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
@@ -768,6 +841,9 @@ def main(argv=None) -> int:
   for stage in stages:
     runner.say(f"=== {stage}")
     steps, summarize = STAGE_BUILDERS[stage](args, work)
+    for step in steps:
+      if f"{stage}/{step.name}" in skips and not step.skip:
+        step.skip = "--skip"
     rec = run_stage(runner, stage, steps, summarize)
     runner.say(f"=== {stage}: {rec['status']} in {rec['seconds']} s: "
                f"{json.dumps(rec['summary'], default=str)[:1500]}")
