@@ -251,11 +251,11 @@ def test_no_time_left_skips_every_step_and_a_bad_stage_is_one_line(tmp_path, cap
 
 def test_skip_leaves_out_the_steps_named_and_pytest_k_narrows_the_tests(tmp_path):
   out = tmp_path / "out"
+  names = ["tiny_programs", "as_is", "no_autotuning", "cublas_only", "xla_attention"]
   assert gpu_run.main(["compile", "--dry_run", "--out", str(out), "--work", str(tmp_path / "w"),
-                       "--skip", "compile/as_is,compile/xla_attention,compile/no_autotuning"]
-                      ) == 0
+                       "--skip", ",".join(f"compile/{n}" for n in names)]) == 0
   s = _stage(out, "compile")
-  assert s["status"] == "skipped" and [x["skipped"] for x in s["steps"]] == ["--skip"] * 3
+  assert s["status"] == "skipped" and [x["skipped"] for x in s["steps"]] == ["--skip"] * 5
   import types
   args = types.SimpleNamespace(dry_run=False, pytest_k="sigkill or bf16")
   steps, _ = gpu_run.correctness(args, tmp_path)
@@ -263,6 +263,22 @@ def test_skip_leaves_out_the_steps_named_and_pytest_k_narrows_the_tests(tmp_path
   assert kernel[kernel.index("-k"):] == ["-k", "sigkill or bf16"]
   i = ckpt.index("-k") + 1
   assert ckpt[i].startswith("(complete_workdir or ") and ckpt[i].endswith(") and (sigkill or bf16)")
+
+
+def test_the_documented_device_commands_parse_and_a_misspelt_skip_is_one_line(capsys):
+  """docs/performance.md's commands for the device (device minutes are not spent on a
+  typo): each parses, names known stages, and skips steps that exist."""
+  import shlex
+  text = (ROOT / "docs" / "performance.md").read_text().replace("\\\n", " ")
+  commands = [l.split("bench/gpu/run.sh", 1)[1] for l in text.splitlines()
+              if l.startswith("bench/gpu/run.sh ")]
+  assert len(commands) >= 3
+  for c in commands:
+    args, stages, skips = gpu_run.parse(shlex.split(c.split("#")[0]))
+    assert stages and all(s in gpu_run.STAGES for s in stages)
+  assert gpu_run.main(["compile", "--skip", "compile/as_it_is"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--skip: no step 'compile/as_it_is'; the steps: " in err
 
 
 class _Parsed(Exception):

@@ -8,6 +8,11 @@
         cuDNN fused-attention custom calls (`__cudnn$fmha...`) in each compiled HLO (and
         every custom call's target, should XLA name them otherwise), with
         kernels/accelerator.py's verdict for every form of attention it traced.
+    python bench/gpu/checks.py compile_probe
+        Cold compile times (no compile cache) of three tiny programs: a broadcast, a
+        1024x1024 matmul and a sum, a chain of elementwise ops. Each is one or two
+        kernels and nothing to autotune but the matmul: seconds here are a cost per
+        program (PTX assembly, the driver), not XLA's autotuning.
     python bench/gpu/checks.py checkpoints WORKDIR
         Every checkpoint of WORKDIR restored (`checkpoint.load_workdir`, which checks each
         array's checksum): its step and a SHA-256 of its parameters, or the error.
@@ -83,6 +88,22 @@ def attention(preset: str, batch: int, length: int, workload: str,
   return out
 
 
+def compile_probe() -> dict:
+  import jax
+  import jax.numpy as jnp
+  programs = {
+      "broadcast": (lambda: jnp.ones((256, 256)), ()),
+      "matmul_sum": (lambda a, b: (a @ b).sum(), (jnp.zeros((1024, 1024)),) * 2),
+      "elementwise": (lambda x: jnp.tanh(x * 2.0 + 1.0).astype(jnp.bfloat16), (jnp.zeros(4096),)),
+  }
+  out = dict(backend=jax.default_backend(), compile_s={})
+  for name, (fn, args) in programs.items():
+    t = time.perf_counter()
+    jax.block_until_ready(jax.jit(fn)(*args))
+    out["compile_s"][name] = round(time.perf_counter() - t, 3)
+  return out
+
+
 def checkpoints(workdir: str) -> dict:
   import jax
   import numpy as np
@@ -114,7 +135,11 @@ def main(argv=None) -> int:
   a.add_argument("--strategies", default="greedy,beam4", help="decode loops compiled")
   c = sub.add_parser("checkpoints")
   c.add_argument("workdir")
+  sub.add_parser("compile_probe")
   args = ap.parse_args(argv)
+  if args.what == "compile_probe":   # cold: no compile cache
+    print("RESULT " + json.dumps(compile_probe()), flush=True)
+    return 0
   from seq2seq import compile_cache
   compile_cache.enable()
   if args.what == "attention":

@@ -1,8 +1,9 @@
 """The project on one GPU: correctness, training and decoding speed, a real run, and an
 out-of-memory run, each stage ending in a JSON file, in one command.
 
-    bench/gpu/run.sh compile,correctness --deadline_s 420 --skip correctness/checkpoint_tests
-    bench/gpu/run.sh train_speed,decode_speed --deadline_s 420      # then bible,oom
+    bench/gpu/run.sh compile --deadline_s 450                       # first device call
+    bench/gpu/run.sh correctness,train_speed --deadline_s 380 --pytest_k ...   # second
+    bench/gpu/run.sh decode_speed,bible,oom --deadline_s 420        # a later session
     bench/gpu/run.sh all --dry_run          # every stage, tiny, on a CPU: catches typos
 
 (A session has 15 device minutes: docs/performance.md, "GPU", says what the first run
@@ -27,10 +28,12 @@ Stages (see docs/performance.md, "GPU"):
                 JAX_DEFAULT_MATMUL_PRECISION=highest, else TF32 would break the f32
                 tolerances); then checks.py attention: cuDNN's fused attention
                 (`__cudnn$fmha`) in the compiled train step and decode loops, or not
-  compile       the first train step of `small` (bf16, 128 x 256) three ways, a few steps
-                each: as it is, with JAX's compile log (seconds tracing, lowering, in
-                XLA; the slowest programs), with SEQ2SEQ_ATTENTION=xla (no cuDNN), and
-                with XLA's autotuning off (--xla_gpu_autotune_level=0)
+  compile       cold compiles of three tiny programs (checks.py compile_probe: a cost per
+                program?), then the first train step of `small` (bf16, 128 x 256) four
+                ways, a few steps each: as it is, with JAX's compile log (seconds
+                tracing, lowering, in XLA; the slowest programs), with XLA's autotuning
+                off (--xla_gpu_autotune_level=0), with cuBLAS for every matmul
+                (--xla_gpu_enable_triton_gemm=false), and with SEQ2SEQ_ATTENTION=xla
   train_speed   bench_train.py --workload gpu (small, base, big; bf16) and, where torch is
                 installed, bench_peers_torch.py's nn.Transformer on the same GPU (eager,
                 then torch.compile for base)
@@ -500,11 +503,16 @@ def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
                           "128"]) if args.dry_run else
                 ("small", ["--workload", "gpu", "--steps", "3", "--warmup", "1", "--peak_n",
                            "1024"]))
+  flags = lambda f: {"XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), f]).strip()}
   variants = [("as_is", {"JAX_LOG_COMPILES": "1"}),
-              ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"}),
-              ("no_autotuning", {"XLA_FLAGS": " ".join(
-                  [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0"]).strip()})]
-  steps = []
+              ("no_autotuning", flags("--xla_gpu_autotune_level=0")),
+              ("cublas_only", flags("--xla_gpu_enable_triton_gemm=false")),
+              ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"})]
+  # First a cost per program, if any (XLA's per-phase log of PTX assembly in log.txt).
+  steps = [Step("tiny_programs", [py, "bench/gpu/checks.py", "compile_probe"], 60,
+                env={"TF_CPP_MIN_LOG_LEVEL": "0",
+                     "TF_CPP_VMODULE": "gpu_compiler=1,nvptx_compiler=2"},
+                parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1]))]
   for name, env in variants:
     path = work / f"compile_{name}.json"
     steps.append(Step(name, [py, "bench/bench_train.py", "--presets", preset, "--dtypes",
@@ -515,6 +523,8 @@ def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
   def summarize(done):
     out = {}
     for s in done:
+      if s["name"] == "tiny_programs" and s.get("result"):
+        out["tiny_programs_compile_s"] = s["result"]["compile_s"]
       rows = [r for r in s.get("rows", []) if not r.get("failed")]
       if rows:
         r = rows[0]
@@ -791,7 +801,9 @@ def machine(runner: Runner, dry_run: bool) -> dict:
   return out
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> tuple[argparse.Namespace, list[str], set[str]]:
+  """(arguments, stages, STAGE/STEP names to skip); ValueError for an unknown stage or
+  step, before anything runs."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("stages", help=f"comma-separated: {', '.join(STAGES)}, or all")
   ap.add_argument("--dry_run", action="store_true", help="tiny sizes on the CPU")
@@ -811,10 +823,25 @@ def main(argv=None) -> int:
   stages = list(STAGES) if args.stages == "all" else args.stages.split(",")
   bad = [s for s in stages if s not in STAGES]
   if bad:
-    print(f"error: unknown stage {bad[0]!r}; choose from {', '.join(STAGES)} or all",
-          file=sys.stderr)
-    return 2
+    raise ValueError(f"unknown stage {bad[0]!r}; choose from {', '.join(STAGES)} or all")
   skips = {s for s in args.skip.split(",") if s}
+  if skips:
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:   # the builders' paths, thrown away
+      known = {f"{stage}/{step.name}" for stage in STAGES
+               for step in STAGE_BUILDERS[stage](args, Path(tmp))[0]}
+    unknown = sorted(skips - known)
+    if unknown:
+      raise ValueError(f"--skip: no step {unknown[0]!r}; the steps: {', '.join(sorted(known))}")
+  return args, stages, skips
+
+
+def main(argv=None) -> int:
+  try:
+    args, stages, skips = parse(argv)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   out, work = Path(args.out), Path(args.work)
   out.mkdir(parents=True, exist_ok=True)
   work.mkdir(parents=True, exist_ok=True)
