@@ -247,6 +247,9 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
     ckpts.save(step, state, {"step": step, "data_position": step, "seed": tc.seed})
 
   prev_m = None
+  t_first = time.time()
+  if bar is not None:
+    bar.set_description("compiling")   # the first step traces and compiles the program
   try:
     while step < tc.steps:
       local = next(batches)
@@ -255,6 +258,13 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
       if step == start + 1:      # compiled: give the compiler's memory back (tuned malloc
         jax.block_until_ready(m)   # keeps what is freed, see seq2seq.malloc)
         malloc.release_freed_memory()
+        line = (f"first step in {time.time() - t_first:.1f} s (tracing and compiling the "
+                f"train step, or loading it from the compile cache)")
+        if bar is not None:
+          bar.set_description("")
+          bar.write(line, file=sys.stderr)
+        else:
+          _print(line)
       if prev_m is not None:
         # Wait for the previous step: one step queued keeps the device busy, while running
         # further ahead holds more steps' buffers (+0.6 GB, and slower, on the Bible run).

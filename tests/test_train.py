@@ -157,6 +157,8 @@ def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
   assert (workdir / "train.lock").exists()     # the killed run could not remove its lock
   p = run_train(args)
   assert "resuming from" in p.stderr and "(step 10)" in p.stderr
+  assert re.search(r"^first step in \d+\.\d s \(tracing and compiling the train step", p.stderr,
+                   re.M), p.stderr[-2000:]
   assert "warning: took over the lock of workdir" in p.stderr, p.stderr[-2000:]
   assert "its process is not running" in p.stderr
   assert not (workdir / "train.lock").exists()
