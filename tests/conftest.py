@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # instead of 14-15 minutes on 2 cores. On a GPU they skip XLA's autotuning (each backend
 # ignores the other's flags) and use deterministic ops: scatter-adds and cuDNN's
 # attention backward otherwise sum in a varying order (on the first GPU run, a resumed
-# run was not bit-identical to the uninterrupted one without them). The scripts the tests start inherit them (those that
-# set their own XLA_FLAGS add TEST_XLA_FLAGS); the README's main job (`default_run`) runs
-# as a user runs it.
+# run was not bit-identical to the uninterrupted one without them). The scripts the
+# tests start inherit them (those that set their own XLA_FLAGS add TEST_XLA_FLAGS); the
+# README's main job (`default_run`) runs as a user runs it.
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                   "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true")

@@ -538,20 +538,17 @@ def params():
 _REFERENCE_CACHE = {}
 
 
-def _reference(dtype, pre_ln, packed, params):
-  key = (dtype, pre_ln, packed)
+def _reference(dtype, pre_ln, packed, params, even=False, decode=True):
+  key = (dtype, pre_ln, packed, even, decode)
   if key not in _REFERENCE_CACHE:
-    _REFERENCE_CACHE[key] = _everything("reference", dtype, pre_ln, packed, params)
+    _REFERENCE_CACHE[key] = _everything("reference", dtype, pre_ln, packed, params, even=even,
+                                        decode=decode)
   return _REFERENCE_CACHE[key]
 
 
 def _float32_model(pre_ln, packed, params, even=False):
   """The reference's logits, loss and gradients in float32 (the bf16 criterion's truth)."""
-  key = ("float32-model", pre_ln, packed, even)
-  if key not in _REFERENCE_CACHE:
-    _REFERENCE_CACHE[key] = _everything("reference", "float32", pre_ln, packed, params,
-                                        even=even, decode=False)
-  return _REFERENCE_CACHE[key]
+  return _reference("float32", pre_ln, packed, params, even=even, decode=False)
 
 
 @pytest.mark.parametrize("table", ["cpu", pytest.param("accelerator", marks=pytest.mark.slow)])
@@ -572,7 +569,7 @@ def test_accelerator_bf16_model_with_even_lengths_computes_the_reference_model(p
   """The shapes cuDNN's attention can take in training too (bf16, head size 16, even
   lengths; on a GPU where its probe passes): the accelerator table's logits, train-step
   loss and gradients equal the reference's within the bf16 tolerances."""
-  want = _everything("reference", "bfloat16", False, packed, params, even=True, decode=False)
+  want = _reference("bfloat16", False, packed, params, even=True, decode=False)
   got = _everything("accelerator", "bfloat16", False, packed, params, even=True, decode=False)
   assert_same_function(got, want, "bfloat16",
                        truth=lambda: _float32_model(False, packed, params, even=True))

@@ -187,7 +187,7 @@ class Step:
   name: str
   argv: list[str]
   timeout: float
-  env: dict = dataclasses.field(default_factory=dict)
+  env: dict = dataclasses.field(default_factory=dict)   # XLA_FLAGS: added to the run's
   parse: Callable[[str, int], dict] | None = None   # (output, returncode) -> fields
   stdout_to: Path | None = None                     # stdout to this file, not the log
   skip: str = ""                                    # why it is not run ("" = run it)
@@ -244,6 +244,8 @@ class Runner:
     timeout = min(step.timeout, self.left() - 5.0)
     self.say(f"--- {step.name}: {' '.join(step.argv)}  (limit {timeout:.0f} s)")
     env = dict(self.env, **step.env)
+    if "XLA_FLAGS" in step.env:
+      env["XLA_FLAGS"] = f"{self.env.get('XLA_FLAGS', '')} {step.env['XLA_FLAGS']}".strip()
     t = time.monotonic()
     out_f = open(step.stdout_to, "w") if step.stdout_to else None
     # Its own process group (so that a time limit ends pytest's workers and train.py's
@@ -495,18 +497,18 @@ def compile_log(text: str) -> dict:
 
 
 def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
-  """Where the first train step's time goes on this machine: `small` in bf16 as it is
-  (with JAX's compile log: tracing, lowering, XLA), with XLA's attention instead of
-  cuDNN's, and without XLA's autotuning, a few steps each (their speed too)."""
+  """Where the first train step's time goes on this machine: cold compiles of tiny
+  programs, then `small` in bf16 as it is (with JAX's compile log: tracing, lowering,
+  XLA), without XLA's autotuning, with cuBLAS for every matmul and with XLA's attention
+  instead of cuDNN's, a few steps each (their speed too)."""
   py = sys.executable
   preset, kw = (("tiny", ["--workload", "dry", "--steps", "1", "--warmup", "0", "--peak_n",
                           "128"]) if args.dry_run else
                 ("small", ["--workload", "gpu", "--steps", "3", "--warmup", "1", "--peak_n",
                            "1024"]))
-  flags = lambda f: {"XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), f]).strip()}
   variants = [("as_is", {"JAX_LOG_COMPILES": "1"}),
-              ("no_autotuning", flags("--xla_gpu_autotune_level=0")),
-              ("cublas_only", flags("--xla_gpu_enable_triton_gemm=false")),
+              ("no_autotuning", {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}),
+              ("cublas_only", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}),
               ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"})]
   # First a cost per program, if any (XLA's per-phase log of PTX assembly in log.txt).
   steps = [Step("tiny_programs", [py, "bench/gpu/checks.py", "compile_probe"], 60,
