@@ -91,6 +91,45 @@ def test_the_dry_run_collects_the_real_test_selections_and_reads_the_compiled_hl
 
 
 @pytest.mark.slow   # the whole command: ~50 s of CPU time
+def test_the_dry_run_profiles_the_compile_and_tries_its_variants(dry_run):
+  """compile: XLA's own events from a host trace of the train step's compile (on a CPU,
+  XLA:CPU's), then the step under each variant's flags, in order."""
+  _, out, _ = dry_run
+  c = _stage(out, "compile")
+  assert c["status"] == "ok"
+  assert [s["name"] for s in c["steps"]] == ["profile", "no_autotuning", "as_is",
+                                             "xla_attention", "cublas_only", "tiny_programs"]
+  r = _step(c, "profile")["result"]
+  assert r["backend"] == "cpu" and r["compile_s"] > 0
+  names = {e["name"] for e in r["profile"]["by_total"]}
+  assert any("CpuCompiler" in n for n in names), names   # XLA's events, not only JAX's
+  assert all(e["s"] <= r["trace_s"] + r["lower_s"] + r["compile_s"] + 1
+             for e in r["profile"]["by_total"] if e["count"] == 1)
+  assert c["summary"]["profile"]["compile_s"] == r["compile_s"]
+  assert _step(c, "no_autotuning")["env"]["XLA_FLAGS"].endswith("--xla_gpu_autotune_level=0")
+  for name in ("no_autotuning", "as_is", "xla_attention", "cublas_only"):
+    assert c["summary"][name]["tokens_per_s"] > 0, name
+  assert c["summary"]["as_is"]["log"]["phase_s"]["xla"] > 0
+
+
+def test_trace_events_are_summed_by_name_in_all_and_without_what_they_contain():
+  """Against a count by hand: per thread, an event's own time is its duration less the
+  events directly inside it; numbered instances (fusion.12) and program names fold."""
+  import checks
+  ev = lambda name, ts, dur, tid=1: dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=tid)
+  events = [ev("compile", 0, 100e6), ev("autotune (jit_step)", 10e6, 30e6),
+            ev("fusion.3", 15e6, 5e6), ev("fusion.12", 50e6, 10e6), ev("compile", 200e6, 10e6),
+            ev("autotune", 0, 30e6, tid=2), ev("fusion.7", 0, 30e6, tid=2),
+            dict(ph="i", name="instant", ts=5e6, pid=1, tid=1)]
+  t = checks.trace_totals(events)
+  total = {e["name"]: (e["s"], e["count"]) for e in t["by_total"]}
+  own = {e["name"]: e["s"] for e in t["by_self"]}
+  assert total == {"compile": (110, 2), "autotune": (60, 2), "fusion": (45, 3)}
+  assert own == {"compile": 110 - 30 - 10, "autotune": 25 + 0, "fusion": 45}
+  assert [e["name"] for e in t["by_self"]] == ["compile", "fusion", "autotune"]
+
+
+@pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run):
   _, out, _ = dry_run
   t, d = _stage(out, "train_speed"), _stage(out, "decode_speed")
@@ -251,11 +290,11 @@ def test_no_time_left_skips_every_step_and_a_bad_stage_is_one_line(tmp_path, cap
 
 def test_skip_leaves_out_the_steps_named_and_pytest_k_narrows_the_tests(tmp_path):
   out = tmp_path / "out"
-  names = ["tiny_programs", "as_is", "no_autotuning", "cublas_only", "xla_attention"]
+  names = ["profile", "tiny_programs", "as_is", "no_autotuning", "cublas_only", "xla_attention"]
   assert gpu_run.main(["compile", "--dry_run", "--out", str(out), "--work", str(tmp_path / "w"),
                        "--skip", ",".join(f"compile/{n}" for n in names)]) == 0
   s = _stage(out, "compile")
-  assert s["status"] == "skipped" and [x["skipped"] for x in s["steps"]] == ["--skip"] * 5
+  assert s["status"] == "skipped" and [x["skipped"] for x in s["steps"]] == ["--skip"] * 6
   import types
   args = types.SimpleNamespace(dry_run=False, pytest_k="sigkill or bf16")
   steps, _ = gpu_run.correctness(args, tmp_path)

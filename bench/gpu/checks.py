@@ -13,6 +13,13 @@
         1024x1024 matmul and a sum, a chain of elementwise ops. Each is one or two
         kernels and nothing to autotune but the matmul: seconds here are a cost per
         program (PTX assembly, the driver), not XLA's autotuning.
+    python bench/gpu/checks.py compile_profile [--preset small] [--batch 128] [--length 256]
+        Where the cold compile of a bf16 train step of the preset goes: seconds tracing,
+        lowering and compiling (no compile cache), and XLA's own account of the compile
+        from a host trace (`jax.profiler`, its TraceMe events: HLO passes, autotuning,
+        LLVM, PTX assembly, cuDNN): the events with the most time, in all and not counting
+        the events inside them (summed over threads: XLA compiles on several), with how
+        many times each ran.
     python bench/gpu/checks.py checkpoints WORKDIR
         Every checkpoint of WORKDIR restored (`checkpoint.load_workdir`, which checks each
         array's checksum): its step and a SHA-256 of its parameters, or the error.
@@ -104,6 +111,86 @@ def compile_probe() -> dict:
   return out
 
 
+def _event_name(name: str) -> str:
+  """One name for every instance of an event: no fusion number, no program name."""
+  return re.sub(r"\.\d+$", "", re.sub(r" \(jit_\w+\)$", "", name))
+
+
+def trace_totals(events: list[dict], top: int = 25) -> dict:
+  """Complete trace events ({name, ts, dur, pid, tid}, microseconds) summed by name: in
+  all (`total_s`), and not counting events nested inside them on the same thread
+  (`self_s`, so the self times of one thread add up to its busy time), with counts."""
+  total, own, count = {}, {}, {}
+  threads = {}
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e:
+      threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+  for evs in threads.values():
+    evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    stack = []   # [end, name, own time so far]
+    def close(entry):
+      total[entry[1]] = total.get(entry[1], 0.0) + entry[3]
+      own[entry[1]] = own.get(entry[1], 0.0) + entry[2]
+    for e in evs:
+      while stack and stack[-1][0] <= e["ts"]:
+        close(stack.pop())
+      name, dur = _event_name(e["name"]), float(e["dur"])
+      if stack:
+        stack[-1][2] -= dur
+      count[name] = count.get(name, 0) + 1
+      stack.append([e["ts"] + dur, name, dur, dur])
+    while stack:
+      close(stack.pop())
+  rank = lambda d: [dict(name=n, s=round(v / 1e6, 3), count=count[n])
+                    for n, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+  return dict(by_total=rank(total), by_self=rank(own))
+
+
+def compile_profile(preset: str, batch: int, length: int, workload: str) -> dict:
+  import glob
+  import gzip
+  import tempfile
+  import jax
+  import jax.numpy as jnp
+  import bench_train
+  from seq2seq import train_lib
+
+  cfg = bench_train.workload_config(preset, "bfloat16", workload=workload)
+  cfg = cfg.replace(train=cfg.train.replace(batch_size=batch, seq_len=length))
+  trainer = train_lib.Trainer(cfg, bos_id=bench_train.BOS)
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
+  out = dict(preset=preset, batch=batch, length=length, backend=jax.default_backend(),
+             kernels=cfg.model.kernels)
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0   # Python's calls would crowd out XLA's events
+  options.host_tracer_level = 3     # XLA's passes and their parts
+  options.enable_hlo_proto = False
+  with tempfile.TemporaryDirectory() as where:
+    try:
+      jax.profiler.start_trace(where, create_perfetto_trace=True, profiler_options=options)
+    except Exception as e:   # noqa: BLE001 - the compile is still timed, without a trace
+      out["profile"] = f"the profiler did not start: {type(e).__name__}: {e}"[:300]
+    t0 = time.perf_counter()
+    traced = trainer.step.trace(trainer.abstract_state, {"src": tokens, "tgt": tokens})
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    out.update(trace_s=round(t1 - t0, 2), lower_s=round(t2 - t1, 2), compile_s=round(t3 - t2, 2))
+    if "profile" in out:
+      return out
+    jax.profiler.stop_trace()
+    found = glob.glob(os.path.join(where, "**", "*trace.json.gz"), recursive=True)
+    if not found:
+      out["profile"] = "no trace written"
+      return out
+    with gzip.open(found[0], "rt") as f:
+      trace = json.load(f)
+  out["profile"] = trace_totals(trace["traceEvents"] if isinstance(trace, dict) else trace)
+  return out
+
+
 def checkpoints(workdir: str) -> dict:
   import jax
   import numpy as np
@@ -136,9 +223,18 @@ def main(argv=None) -> int:
   c = sub.add_parser("checkpoints")
   c.add_argument("workdir")
   sub.add_parser("compile_probe")
+  p = sub.add_parser("compile_profile")
+  p.add_argument("--preset", default="small")
+  p.add_argument("--workload", default="gpu", help="bench_train.py's workload set")
+  p.add_argument("--batch", type=int, default=128)
+  p.add_argument("--length", type=int, default=256)
   args = ap.parse_args(argv)
-  if args.what == "compile_probe":   # cold: no compile cache
-    print("RESULT " + json.dumps(compile_probe()), flush=True)
+  if args.what in ("compile_probe", "compile_profile"):   # cold: no compile cache
+    import jax
+    jax.config.update("jax_enable_compilation_cache", False)
+    r = (compile_probe() if args.what == "compile_probe" else
+         compile_profile(args.preset, args.batch, args.length, args.workload))
+    print("RESULT " + json.dumps(r), flush=True)
     return 0
   from seq2seq import compile_cache
   compile_cache.enable()

@@ -28,12 +28,14 @@ Stages (see docs/performance.md, "GPU"):
                 JAX_DEFAULT_MATMUL_PRECISION=highest, else TF32 would break the f32
                 tolerances); then checks.py attention: cuDNN's fused attention
                 (`__cudnn$fmha`) in the compiled train step and decode loops, or not
-  compile       cold compiles of three tiny programs (checks.py compile_probe: a cost per
-                program?), then the first train step of `small` (bf16, 128 x 256) four
-                ways, a few steps each: as it is, with JAX's compile log (seconds
-                tracing, lowering, in XLA; the slowest programs), with XLA's autotuning
-                off (--xla_gpu_autotune_level=0), with cuBLAS for every matmul
-                (--xla_gpu_enable_triton_gemm=false), and with SEQ2SEQ_ATTENTION=xla
+  compile       XLA's account of a cold compile of `small`'s bf16 train step (128 x 256;
+                checks.py compile_profile: a host trace, its events summed: HLO passes,
+                autotuning, LLVM, PTX, cuDNN), then that step four ways, a few steps each:
+                with XLA's autotuning off (--xla_gpu_autotune_level=0), as it is with
+                JAX's compile log (seconds tracing, lowering, in XLA), with
+                SEQ2SEQ_ATTENTION=xla, and with cuBLAS for every matmul
+                (--xla_gpu_enable_triton_gemm=false); last, cold compiles of three tiny
+                programs (checks.py compile_probe: a cost per program?)
   train_speed   bench_train.py --workload gpu (small, base, big; bf16) and, where torch is
                 installed, bench_peers_torch.py's nn.Transformer on the same GPU (eager,
                 then torch.compile for base)
@@ -234,7 +236,7 @@ class Runner:
     return self.end - time.monotonic()
 
   def step(self, step: Step) -> dict:
-    rec = dict(name=step.name, argv=step.argv)
+    rec = dict(name=step.name, argv=step.argv, **({"env": step.env} if step.env else {}))
     if step.skip:
       self.say(f"--- {step.name}: skipped ({step.skip})")
       return dict(rec, skipped=step.skip)
@@ -497,36 +499,48 @@ def compile_log(text: str) -> dict:
 
 
 def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
-  """Where the first train step's time goes on this machine: cold compiles of tiny
-  programs, then `small` in bf16 as it is (with JAX's compile log: tracing, lowering,
-  XLA), without XLA's autotuning, with cuBLAS for every matmul and with XLA's attention
-  instead of cuDNN's, a few steps each (their speed too)."""
+  """Where the first train step's time goes on this machine: XLA's own account of a cold
+  compile of `small`'s bf16 train step (a host trace: passes, autotuning, LLVM, PTX, cuDNN);
+  then that step as it is (JAX's compile log: tracing, lowering, XLA), without XLA's
+  autotuning, with XLA's attention instead of cuDNN's and with cuBLAS for every matmul, a
+  few steps each (their speed too); last, cold compiles of tiny programs (a cost per
+  program?)."""
   py = sys.executable
   preset, kw = (("tiny", ["--workload", "dry", "--steps", "1", "--warmup", "0", "--peak_n",
                           "128"]) if args.dry_run else
                 ("small", ["--workload", "gpu", "--steps", "3", "--warmup", "1", "--peak_n",
                            "1024"]))
-  variants = [("as_is", {"JAX_LOG_COMPILES": "1"}),
-              ("no_autotuning", {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}),
-              ("cublas_only", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}),
-              ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"})]
-  # First a cost per program, if any (XLA's per-phase log of PTX assembly in log.txt).
-  steps = [Step("tiny_programs", [py, "bench/gpu/checks.py", "compile_probe"], 60,
-                env={"TF_CPP_MIN_LOG_LEVEL": "0",
-                     "TF_CPP_VMODULE": "gpu_compiler=1,nvptx_compiler=2"},
+  shape = (["--workload", "dry", "--batch", "4", "--length", "8"] if args.dry_run else
+           ["--workload", "gpu", "--batch", "128", "--length", "256"])
+  steps = [Step("profile", [py, "bench/gpu/checks.py", "compile_profile", "--preset", preset,
+                            *shape], 180,
                 parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1]))]
+  variants = [("no_autotuning", {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}),
+              ("as_is", {"JAX_LOG_COMPILES": "1"}),
+              ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"}),
+              ("cublas_only", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"})]
   for name, env in variants:
     path = work / f"compile_{name}.json"
     steps.append(Step(name, [py, "bench/bench_train.py", "--presets", preset, "--dtypes",
                              "bfloat16", *kw, "--out", str(path)], 150, env=env,
                       parse=(lambda p: lambda t, rc: dict(_json_rows(p), log=compile_log(t)))(
                           path)))
+  # A cost per program, if any (XLA's per-phase log of PTX assembly in log.txt).
+  steps.append(Step("tiny_programs", [py, "bench/gpu/checks.py", "compile_probe"], 60,
+                    env={"TF_CPP_MIN_LOG_LEVEL": "0",
+                         "TF_CPP_VMODULE": "gpu_compiler=1,nvptx_compiler=2"},
+                    parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1])))
 
   def summarize(done):
     out = {}
     for s in done:
       if s["name"] == "tiny_programs" and s.get("result"):
         out["tiny_programs_compile_s"] = s["result"]["compile_s"]
+      if s["name"] == "profile" and s.get("result"):
+        r = s["result"]
+        prof = r.get("profile") if isinstance(r.get("profile"), dict) else {}
+        out["profile"] = dict({k: r.get(k) for k in ("trace_s", "lower_s", "compile_s")},
+                              by_self=prof.get("by_self", [])[:12])
       rows = [r for r in s.get("rows", []) if not r.get("failed")]
       if rows:
         r = rows[0]
