@@ -514,6 +514,7 @@ def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
            ["--workload", "gpu", "--batch", "128", "--length", "256"])
   steps = [Step("profile", [py, "bench/gpu/checks.py", "compile_profile", "--preset", preset,
                             *shape], 180,
+                env={"XLA_FLAGS": "--xla_gpu_print_compilation_stats"},   # per-module passes
                 parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1]))]
   variants = [("no_autotuning", {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}),
               ("as_is", {"JAX_LOG_COMPILES": "1"}),
