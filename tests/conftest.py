@@ -33,12 +33,14 @@ def _session_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
-  """train.py and decode.py keep compiled programs in ~/.cache/seq2seq/jax; tests (and the
-  scripts they start) leave the home directory alone and share one cache in the session's
-  temporary directory instead: most scripts the tests start compile the same tiny programs.
+  """train.py and decode.py keep compiled programs in ~/.cache/seq2seq/jax (and the C++
+  kernels in ~/.cache/seq2seq/native); tests (and the scripts they start) leave the home
+  directory alone and share one cache in the session's temporary directory instead: most scripts the tests start compile the same tiny programs.
   Tests of the cache itself, or of compile times, give their own."""
   if "SEQ2SEQ_COMPILE_CACHE" not in os.environ:
     os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(_session_dir(tmp_path_factory) / "jax_cache")
+  if "SEQ2SEQ_NATIVE_DIR" not in os.environ:   # the C++ kernels, built once per session
+    os.environ["SEQ2SEQ_NATIVE_DIR"] = str(_session_dir(tmp_path_factory) / "native")
   from seq2seq import compile_cache  # the tests' own programs too: many compile alike
   compile_cache.enable()
 

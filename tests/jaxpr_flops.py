@@ -17,10 +17,14 @@ def _sub_jaxprs(value):
 
 def dot_flops(jaxpr) -> float:
   """2 x output size x contracted size, summed over every dot_general, sub-jaxprs included
-  (a scan's body once per iteration)."""
+  (a scan's body once per iteration); the C++ decode attention (kernels/native.py) counts
+  as its two matmuls, q·kᵀ and weights·v: 2 x 2·B·H·Q·K·D."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
+    if name == "ffi_call" and eqn.params["target_name"] == "seq2seq_decode_attention":
+      (b, h, q, d), k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape[2]
+      total += 4.0 * b * h * q * k * d
     if name == "dot_general":
       (contract, _), _ = eqn.params["dimension_numbers"]
       lhs = eqn.invars[0].aval.shape

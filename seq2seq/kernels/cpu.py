@@ -19,6 +19,8 @@ import numpy as np
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from seq2seq.kernels import native
+
 
 def row_major(a: jax.Array) -> jax.Array:
   """`a` stored row-major: a transpose becomes a real copy instead of a strided view."""
@@ -141,10 +143,46 @@ def _attend_bwd(rate, res, dy_BxHxQxD):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+DECODE_QUERIES = 16   # queries per row up to which attention on bf16 keys is a decode step's
+
+
+@jax.custom_vjp
+def _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK):
+  """`_attend` of a decode step by the C++ kernel (native.decode_attention), which reads
+  bf16 keys and values once instead of converting them to a float32 copy at every step.
+  Its gradient, should anything differentiate it, is `_attend`'s."""
+  return native.decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK)
+
+
+def _decode_attend_fwd(q, k, v, mask):
+  return _decode_attend(q, k, v, mask), (q, k, v, mask)
+
+
+def _decode_attend_bwd(res, dy):
+  q, k, v, mask = res
+  _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, mask[:, None], None, 0.0), q, k, v)
+  return (*vjp(dy), None)
+
+
+_decode_attend.defvjp(_decode_attend_fwd, _decode_attend_bwd)
+
+
+def _decode_mask(mask, q_BxHxQxD, k_BxHxKxD):
+  """`mask` as the kernel takes it, [1|B, 1|Q, K], or None if it has another form."""
+  (b, _, q_len, _), k_len = q_BxHxQxD.shape, k_BxHxKxD.shape[2]
+  if mask is None:
+    return jnp.ones((1, 1, k_len), bool)
+  if (mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, b)
+      and mask.shape[2] in (1, q_len) and mask.shape[3] == k_len):
+    return mask[:, 0]
+  return None
+
+
 def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float = 0.0,
               dropout_rng=None):
   """`attention.dot_product_attention` with q scaled before the scores (a [Q, D] multiply,
-  not [Q, K]) and row-major operands forward and backward."""
+  not [Q, K]) and row-major operands forward and backward; a decode step on bf16 keys goes
+  to the C++ kernel where it could be built."""
   keep = None
   if dropout_rate > 0.0 and dropout_rng is not None:
     shape = q_BxHxQxD.shape[:3] + k_BxHxKxD.shape[2:3]
@@ -152,6 +190,11 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
   dtype = q_BxHxQxD.dtype
   scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, dtype)
   q_BxHxQxD = (q_BxHxQxD * scale).astype(k_BxHxKxD.dtype)   # float32 keys: see cache_dtype
+  if (q_BxHxQxD.shape[2] <= DECODE_QUERIES and k_BxHxKxD.dtype == jnp.bfloat16
+      and keep is None and jax.default_backend() == "cpu" and native.available()):
+    mask_BxQxK = _decode_mask(mask, q_BxHxQxD, k_BxHxKxD)
+    if mask_BxQxK is not None:
+      return _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK).astype(dtype)
   if 1 not in q_BxHxQxD.shape[1:3]:   # one query (a decode step) or one head: any layout is
     q_BxHxQxD = row_major(q_BxHxQxD)  # row-major already, and a constraint would copy it
   y_BxHxQxD = _attend(q_BxHxQxD, row_major(k_BxHxKxD), row_major(v_BxHxKxD), mask, keep,
@@ -242,11 +285,11 @@ def decode_head(w, b_V, w_is_VxD: bool, dtype):
 
 
 def cache_dtype(cfg):
-  """float32: XLA:CPU runs a bfloat16 attention dot on a float32 copy of its operands, made
-  at every step for keys and values that change from step to step (the decode slots' cache
-  and cross-attention keys): stored as float32 (bf16 values, exactly), they are read as
-  they are."""
-  return jnp.float32
+  """The compute dtype where the C++ decode attention reads it; else float32: XLA:CPU runs
+  a bfloat16 attention dot on a float32 copy of its operands, made at every step for keys
+  and values that change from step to step (the decode slots' cache and cross-attention
+  keys): stored as float32 (bf16 values, exactly), they are read as they are."""
+  return jnp.dtype(cfg.dtype if native.available() else jnp.float32)
 
 
 # XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands the

@@ -1,0 +1,137 @@
+// Attention of a decode step on the CPU, read once from a bfloat16 (or float32) cache.
+//
+// XLA:CPU runs a bfloat16 attention dot on a float32 copy of its operands, made anew at each
+// step for a cache that changes every step: reading the cache costs three times its bytes.
+// This kernel reads keys and values once, in their own dtype, for every query of a row.
+//
+//   q     f32  [B, H, Q, D]   queries, already scaled by 1/sqrt(D)
+//   k, v  bf16 or f32 [B, H, K, D]
+//   mask  pred [Bm, Qm, K]    Bm in {1, B}, Qm in {1, Q}: true = may attend
+//   out   f32  [B, H, Q, D]   softmax(q.k^T) v over the allowed keys; 0 where none is
+//
+// Each (b, h) is one task; tasks are shared between the calling thread and XLA's intra-op
+// thread pool through an atomic counter, so the caller never waits on a task nobody runs.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {   // bfloat16 -> float32: the top half of the bits
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct Shape {
+  int64_t heads, queries, keys, dim, mask_rows, mask_queries;
+};
+
+template <typename T>
+void attend_row(const Shape& s, const float* q, const T* k, const T* v, const bool* mask,
+                float* out, std::vector<float>& scores, std::vector<float>& row) {
+  const int64_t Q = s.queries, K = s.keys, D = s.dim;
+  const int64_t mq = s.mask_queries == 1 ? 0 : K;   // mask stride between queries
+  for (int64_t j = 0; j < K; ++j) {
+    const T* kj = k + j * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(kj[d]);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* qi = q + i * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qi[d] * row[d];
+      scores[i * K + j] = dot;
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    float* si = scores.data() + i * K;
+    const bool* mi = mask + i * mq;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < K; ++j) top = mi[j] ? std::max(top, si[j]) : top;
+    float sum = 0.f;
+    for (int64_t j = 0; j < K; ++j) {
+      si[j] = (mi[j] && top != -INFINITY) ? std::exp(si[j] - top) : 0.f;
+      sum += si[j];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t j = 0; j < K; ++j) si[j] *= inv;
+  }
+  std::fill(out, out + Q * D, 0.f);
+  for (int64_t j = 0; j < K; ++j) {
+    const T* vj = v + j * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(vj[d]);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float p = scores[i * K + j];
+      if (p == 0.f) continue;
+      float* oi = out + i * D;
+      for (int64_t d = 0; d < D; ++d) oi[d] += p * row[d];
+    }
+  }
+}
+
+struct Tasks {
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+template <typename T>
+ffi::Error run(ffi::ThreadPool pool, const float* q, const T* k, const T* v, const bool* mask,
+               float* out, int64_t rows, Shape s) {
+  const int64_t tasks = rows * s.heads;
+  auto state = std::make_shared<Tasks>();
+  auto work = [=](Tasks* t) {
+    std::vector<float> scores(s.queries * s.keys), row(s.dim);
+    for (int64_t i; (i = t->next.fetch_add(1)) < tasks;) {
+      const int64_t b = i / s.heads;
+      const bool* m = mask + (s.mask_rows == 1 ? 0 : b) * s.mask_queries * s.keys;
+      attend_row<T>(s, q + i * s.queries * s.dim, k + i * s.keys * s.dim,
+                    v + i * s.keys * s.dim, m, out + i * s.queries * s.dim, scores, row);
+      t->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state, work] { work(state.get()); });
+  work(state.get());
+  while (state->done.load() < tasks) {   // the last tasks taken by helpers: microseconds
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::Buffer<ffi::PRED> mask,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || md.size() != 3 || kd[0] != qd[0] ||
+      kd[1] != qd[1] || kd[3] != qd[3] || md[2] != kd[2] || v.dimensions().size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin()) ||
+      k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("decode_attention: mismatched shapes");
+  Shape s{qd[1], qd[2], kd[2], qd[3], md[0], md[1]};
+  const bool* m = mask.typed_data();
+  if (k.element_type() == ffi::F32)
+    return run(pool, q.typed_data(), static_cast<const float*>(k.untyped_data()),
+               static_cast<const float*>(v.untyped_data()), m, out->typed_data(), qd[0], s);
+  if (k.element_type() == ffi::BF16)
+    return run(pool, q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()),
+               static_cast<const uint16_t*>(v.untyped_data()), m, out->typed_data(), qd[0], s);
+  return ffi::Error::InvalidArgument("decode_attention: keys must be bfloat16 or float32");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(seq2seq_decode_attention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,109 @@
+"""C++ kernels for XLA:CPU, compiled on first use with the machine's C++ compiler and called
+through XLA's FFI. One so far: `decode_attention` (decode_attention.cc), a decode step's
+attention read once from a bfloat16 cache.
+
+The library is built for this CPU (-march=native) into SEQ2SEQ_NATIVE_DIR (default
+$XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
+source, the compiler, JAX's version and the CPU's flags, so a later process loads it in
+milliseconds. Without a compiler, with a build that fails, or with SEQ2SEQ_NATIVE=off,
+`available()` is False and the kernel tables keep XLA's own code: the same function,
+slower (`unavailable_reason()` says why).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("decode_attention.cc")
+TARGET = "seq2seq_decode_attention"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+         # vectorised float sums (a different order of the same additions) and no errno
+         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")
+_why_not = ""
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _cpu_flags() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((l for l in f if l.startswith(("flags", "Features"))), "")
+  except OSError:
+    return ""
+
+
+def default_dir() -> Path:
+  return (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+          / "seq2seq" / "native")
+
+
+def build(where: Path | None = None) -> Path:
+  """The compiled library, built now if this source, compiler, JAX and CPU have none yet.
+  Raises RuntimeError (with the compiler's first error) when it cannot be built."""
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
+  where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
+  key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jax.__version__,
+                                  _cpu_flags()]).encode()).hexdigest()[:16]
+  lib = where / f"decode_attention-{key}.so"
+  if lib.exists():
+    return lib
+  where.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)   # then renamed: concurrent builds
+  os.close(fd)                                          # each write whole files
+  try:
+    p = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+      first = next((l for l in p.stderr.splitlines() if "error" in l), p.stderr.strip())
+      raise RuntimeError(f"{Path(cxx).name} failed: {first[:300]}")
+    os.replace(tmp, lib)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  return lib
+
+
+@functools.cache
+def available() -> bool:
+  """Whether the kernels are built, loaded and registered with XLA:CPU in this process."""
+  global _why_not
+  if os.environ.get("SEQ2SEQ_NATIVE", "").lower() in ("off", "0", "false", "no"):
+    _why_not = "SEQ2SEQ_NATIVE=off"
+    return False
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, TARGET)),
+                                platform="cpu")
+  except (OSError, RuntimeError, AttributeError) as e:
+    _why_not = str(e)
+    return False
+  return True
+
+
+def unavailable_reason() -> str:
+  return "" if available() else _why_not
+
+
+def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK) -> jax.Array:
+  """softmax(q·kᵀ)·v -> [B, H, Q, D] float32, for q already scaled; keys and values read
+  in their dtype (bfloat16 or float32); mask [1|B, 1|Q, K], True = may attend; a query
+  with no allowed key gets zeros. Needs `available()`."""
+  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
+                          vmap_method="sequential")(
+      q_BxHxQxD.astype(jnp.float32), k_BxHxKxD, v_BxHxKxD, mask_BxQxK.astype(jnp.bool_))

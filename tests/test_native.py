@@ -1,0 +1,156 @@
+"""The C++ decode attention (kernels/native.py, decode_attention.cc) against NumPy, inside
+the cpu kernels' attention (values, gradients, the decode loop's tokens), and its build:
+cached, and a missing or failing compiler leaves XLA's own attention in place."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from seq2seq.kernels import cpu, native
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_kernel = pytest.mark.skipif(not native.available(),
+                                  reason=f"C++ kernel not built: {native.unavailable_reason()}")
+
+
+def _numpy_attention(q, k, v, mask):
+  """softmax(q·kᵀ)·v in float64 over the allowed keys; zeros for a query with none."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  s = np.einsum("bhqd,bhkd->bhqk", q, k)
+  m = np.broadcast_to(np.asarray(mask)[:, None], s.shape)
+  s = np.where(m, s, -np.inf)
+  top = np.max(s, -1, keepdims=True)
+  w = np.where(m, np.exp(s - np.where(np.isfinite(top), top, 0)), 0.0)
+  w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
+  return np.einsum("bhqk,bhkd->bhqd", w, v)
+
+
+def _inputs(rng, b, h, q_len, k_len, d, mask_shape, dtype):
+  q = jnp.asarray(rng.normal(size=(b, h, q_len, d)) / np.sqrt(d), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, h, k_len, d)), dtype)
+  v = jnp.asarray(rng.normal(size=(b, h, k_len, d)), dtype)
+  mask = rng.random(mask_shape) < 0.7
+  mask.reshape(-1, k_len)[0] = False          # a query with no key to attend
+  return q, k, v, jnp.asarray(mask)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,h,q_len,k_len,d,mask_shape", [
+    (1, 1, 1, 5, 8, (1, 1, 5)),          # one task: the calling thread alone
+    (6, 4, 1, 37, 64, (6, 1, 37)),       # a decode step: one query per row, own keys
+    (3, 2, 4, 19, 16, (3, 4, 19)),       # beams of one source: 4 queries per key row
+    (5, 3, 2, 11, 32, (1, 2, 11)),       # one mask for every row
+])
+def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape):
+  rng = np.random.default_rng(b * 100 + k_len)
+  q, k, v, mask = _inputs(rng, b, h, q_len, k_len, d, mask_shape, dtype)
+  got = jax.jit(native.decode_attention)(q, k, v, mask)
+  want = _numpy_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), mask)
+  assert got.dtype == jnp.float32 and got.shape == (b, h, q_len, d)
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+  first = np.asarray(mask).reshape(-1, k_len)[0]
+  assert not first.any() and np.all(np.asarray(got)[0, :, 0] == 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [8, 2])   # 2: four query rows share each key row (beams)
+def test_cpu_attention_of_a_bf16_decode_step_runs_the_kernel_and_equals_xla(rows, monkeypatch):
+  """cpu.attention on bf16 keys with few queries calls the kernel (a custom call in the
+  jaxpr) and gives what XLA's attention gives (DECODE_QUERIES = 0 turns the kernel off),
+  values and gradients."""
+  from seq2seq import kernels
+  rng = np.random.default_rng(rows)
+  q = jnp.asarray(rng.normal(size=(8, 4, 1, 32)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(rows, 4, 23, 32)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(rows, 4, 23, 32)), jnp.bfloat16)
+  mask = jnp.asarray(rng.random((rows, 1, 1, 23)) < 0.8)
+  attend = kernels.sharing_keys(cpu.attention)
+  loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, mask).astype(jnp.float32)))
+
+  def run():
+    jax.clear_caches()
+    jaxpr = str(jax.make_jaxpr(attend)(q, k, v, mask))
+    y = jax.jit(attend)(q, k, v, mask)
+    return "seq2seq_decode_attention" in jaxpr, y, jax.grad(loss, (0, 1, 2))(q, k, v)
+  used, y, g = run()
+  monkeypatch.setattr(cpu, "DECODE_QUERIES", 0)
+  used_xla, y_xla, g_xla = run()
+  assert used and not used_xla
+  # bf16 outputs: the kernel keeps the weights in f32 where XLA's path rounds them to bf16
+  np.testing.assert_allclose(np.float32(y), np.float32(y_xla), atol=2e-2, rtol=2e-2)
+  for a, b in zip(g, g_xla):   # the kernel's gradient is XLA's attention's
+    np.testing.assert_allclose(np.float32(a), np.float32(b), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("strategy", ["greedy", "beam4"])
+def test_bf16_decoding_with_the_kernel_gives_xlas_tokens_and_log_probs(strategy, monkeypatch):
+  """The decode loop of a bf16 model (random weights: no near-ties to speak of) with the
+  kernel and without it: the same tokens, log-probabilities within bf16 noise."""
+  import seq2seq
+  from seq2seq import decoding, search
+  from seq2seq.model import Transformer
+  cfg = seq2seq.get_config("tiny", vocab_size=64).replace(dtype="bfloat16", dropout_rate=0.0,
+                                                         kernels="cpu")
+  rng = np.random.default_rng(0)
+  src = np.asarray(rng.integers(3, 64, (4, 9)), np.int32)
+  src[1, 6:] = 0
+  params = Transformer(cfg).init(jax.random.key(0), src, src[:, :4])
+  strat = search.Greedy() if strategy == "greedy" else search.Beam(4)
+
+  def run():
+    jax.clear_caches()
+    return decoding.decode(cfg, params, src, strat, bos_id=1, eos_id=2, max_len=12)
+  with_kernel = run()
+  monkeypatch.setattr(cpu, "DECODE_QUERIES", 0)
+  without = run()
+  np.testing.assert_array_equal(with_kernel.tokens, without.tokens)
+  np.testing.assert_array_equal(with_kernel.lengths, without.lengths)
+  np.testing.assert_allclose(with_kernel.scores, without.scores, atol=0.05)
+
+
+def test_the_build_is_cached_and_a_failing_compiler_is_one_line(tmp_path, monkeypatch):
+  """The library is built once per source, compiler, JAX and CPU, then found; a compiler
+  that fails, or none, is a RuntimeError naming it (available() then says False)."""
+  if native._compiler() is None:
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+      native.build(tmp_path)
+    return
+  lib = native.build(tmp_path)
+  mtime = lib.stat().st_mtime_ns
+  assert native.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime
+  assert [p.name for p in tmp_path.iterdir()] == [lib.name]     # no temporary left
+  bad = tmp_path / "bad-cxx"
+  bad.write_text("#!/bin/sh\necho 'x.cc:1: error: not today' >&2\nexit 1\n")
+  bad.chmod(0o755)
+  monkeypatch.setenv("CXX", str(bad))
+  with pytest.raises(RuntimeError, match="bad-cxx failed: x.cc:1: error: not today"):
+    native.build(tmp_path / "other")
+  assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_without_the_kernel_decoding_runs_on_xlas_attention(tmp_path):
+  """SEQ2SEQ_NATIVE=off (or no compiler): available() is False with the reason, the cache
+  stays float32 for bf16 models, and a bf16 decode runs."""
+  code = """
+import jax, numpy as np, seq2seq
+from seq2seq import decoding, search
+from seq2seq.kernels import cpu, native
+from seq2seq.model import Transformer
+cfg = seq2seq.get_config("tiny", vocab_size=64).replace(dtype="bfloat16", kernels="cpu")
+src = np.full((2, 5), 7, np.int32)
+params = Transformer(cfg).init(jax.random.key(0), src, src)
+r = decoding.decode(cfg, params, src, search.Greedy(), bos_id=1, eos_id=2, max_len=6)
+print(native.available(), native.unavailable_reason(), cpu.cache_dtype(cfg), r.tokens.shape)
+"""
+  env = {**os.environ, "SEQ2SEQ_NATIVE": "off", "JAX_PLATFORMS": "cpu"}
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.split() == ["False", "SEQ2SEQ_NATIVE=off", "float32", "(2,", "1,", "6)"]
