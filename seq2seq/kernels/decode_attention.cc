@@ -2,7 +2,8 @@
 //
 // XLA:CPU runs a bfloat16 attention dot on a float32 copy of its operands, made anew at each
 // step for a cache that changes every step: reading the cache costs three times its bytes.
-// This kernel reads keys and values once, in their own dtype, for every query of a row.
+// This kernel reads keys and values once, in their own dtype, for every query of a row,
+// and skips the keys a query may not attend to (a cache not yet filled, padding).
 //
 //   q     f32  [B, H, Q, D]   queries, already scaled by 1/sqrt(D)
 //   k, v  bf16 or f32 [B, H, K, D]
@@ -39,16 +40,16 @@ struct Shape {
 
 template <typename T>
 void attend_row(const Shape& s, const float* q, const T* k, const T* v, const bool* mask,
-                float* out, std::vector<float>& scores, std::vector<float>& row) {
+                float* out, std::vector<float>& scores) {
   const int64_t Q = s.queries, K = s.keys, D = s.dim;
   const int64_t mq = s.mask_queries == 1 ? 0 : K;   // mask stride between queries
-  for (int64_t j = 0; j < K; ++j) {
+  for (int64_t j = 0; j < K; ++j) {   // scores of the keys a query may attend to
     const T* kj = k + j * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(kj[d]);
     for (int64_t i = 0; i < Q; ++i) {
+      if (!mask[i * mq + j]) continue;
       const float* qi = q + i * D;
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qi[d] * row[d];
+      for (int64_t d = 0; d < D; ++d) dot += qi[d] * widen(kj[d]);
       scores[i * K + j] = dot;
     }
   }
@@ -68,12 +69,11 @@ void attend_row(const Shape& s, const float* q, const T* k, const T* v, const bo
   std::fill(out, out + Q * D, 0.f);
   for (int64_t j = 0; j < K; ++j) {
     const T* vj = v + j * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(vj[d]);
     for (int64_t i = 0; i < Q; ++i) {
       const float p = scores[i * K + j];
       if (p == 0.f) continue;
       float* oi = out + i * D;
-      for (int64_t d = 0; d < D; ++d) oi[d] += p * row[d];
+      for (int64_t d = 0; d < D; ++d) oi[d] += p * widen(vj[d]);
     }
   }
 }
@@ -88,12 +88,12 @@ ffi::Error run(ffi::ThreadPool pool, const float* q, const T* k, const T* v, con
   const int64_t tasks = rows * s.heads;
   auto state = std::make_shared<Tasks>();
   auto work = [=](Tasks* t) {
-    std::vector<float> scores(s.queries * s.keys), row(s.dim);
+    std::vector<float> scores(s.queries * s.keys);
     for (int64_t i; (i = t->next.fetch_add(1)) < tasks;) {
       const int64_t b = i / s.heads;
       const bool* m = mask + (s.mask_rows == 1 ? 0 : b) * s.mask_queries * s.keys;
       attend_row<T>(s, q + i * s.queries * s.dim, k + i * s.keys * s.dim,
-                    v + i * s.keys * s.dim, m, out + i * s.queries * s.dim, scores, row);
+                    v + i * s.keys * s.dim, m, out + i * s.queries * s.dim, scores);
       t->done.fetch_add(1);
     }
   };
