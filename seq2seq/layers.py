@@ -233,8 +233,9 @@ class DecoderLayer(nn.Module):
       nonlocal new_cache
       q, k, v = self.self_attn.project_qkv(h_BxTxD)
       if cache is not None:
-        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, index, 0))
-        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, index, 0))
+        store = kernels.get(self.config.kernels).cache_store   # as the cache keeps them
+        k, v = (jax.lax.dynamic_update_slice(cache[n], store(x, cache[n].dtype),
+                                             (0, 0, index, 0)) for n, x in (("k", k), ("v", v)))
         new_cache = {"k": k, "v": v}
       return self.self_attn.attend(q, k, v, self_mask, train)
 

@@ -114,3 +114,24 @@ def test_the_loop_compiles_once_per_shape(params, sources, eos, caplog):
   compiles = [r for r in caplog.records if "compilation of jit(_loop_impl)" in r.getMessage()]
   assert len(shapes) > len(set(shapes)) >= 2          # shapes met more than once
   assert len(compiles) == len(set(shapes)), [r.getMessage() for r in compiles]
+
+
+def test_bf16_slots_keep_the_cache_as_bits_and_decode_as_decode_does(params, sources, eos):
+  """In bf16 with the C++ decode attention (kernels/native.py), the slots keep keys and
+  values as bf16's bits (written in place, read by the kernel as they are): greedy gives
+  decoding.decode's translations (its cache in bf16); without the kernel, float32."""
+  from seq2seq import kernels
+  from seq2seq.kernels import cpu, native
+  cfg = CFG.replace(dtype="bfloat16", kernels="cpu")
+  store = kernels.get("cpu").cache_dtype(cfg)
+  assert store == (cpu.BF16_BITS if native.available() else np.float32)
+  x = jax.numpy.asarray([1.0, -2.5, 3.14159], jax.numpy.float32)
+  np.testing.assert_array_equal(cpu._cached(cpu.cache_store(x, store)).astype(np.float32),
+                                x.astype(jax.numpy.bfloat16).astype(np.float32))
+  want = decoding.decode(cfg, params, _batch(sources), Greedy(), bos_id=BOS, eos_id=eos)
+  got = slots.decode_stream(cfg, params, sources, Greedy(), bos_id=BOS, eos_id=eos, slots=4,
+                            refill=2, queue=3)
+  for b, (tokens, scores, lengths) in enumerate(got):
+    np.testing.assert_array_equal(lengths, want.lengths[b])
+    np.testing.assert_array_equal(tokens[0, :lengths[0]], want.tokens[b, 0, :lengths[0]])
+    np.testing.assert_allclose(scores, want.scores[b], rtol=2e-3, atol=0.05)   # bf16 sums

@@ -7,7 +7,9 @@ implementation answers. Every table computes the same function (tests/test_kerne
                train step's logits -> losses.cross_entropy)
   cpu          XLA:CPU speed work (kernels/cpu.py, kernels/cpu_head.py): matmuls with a bf16
                backward and row-major layouts, one matmul for Q, K and V, the fused output
-               head + loss, hash dropout masks, chunked top-k, decode-loop options
+               head + loss, hash dropout masks, chunked top-k, decode-loop options, and a
+               decode step's attention on bf16 caches in C++ (kernels/native.py, built on
+               first use where a C++ compiler is)
   accelerator  the reference path with jax.nn.dot_product_attention (cuDNN flash attention
                on GPUs that have it)
   auto         cpu on a CPU backend, accelerator on GPU and TPU
@@ -49,8 +51,10 @@ class Kernels:
   decode_head: Callable | None = None
   decode_compiler_options: Callable = lambda cfg: {}   # cfg -> XLA options of the loop
   # cache_dtype(cfg) -> the dtype the decode slots keep keys and values in (their values are
-  # the compute dtype's, whatever the storage)
+  # the compute dtype's, whatever the storage); cache_store(x, dtype) -> x as that storage
+  # (attention reads what it stores)
   cache_dtype: Callable = lambda cfg: cfg.dtype
+  cache_store: Callable = reference.cache_store
 
 
 def sharing_keys(attention: Callable) -> Callable:
@@ -79,7 +83,8 @@ REFERENCE = Kernels("reference", dense=reference.dense,
 CPU = Kernels("cpu", dense=cpu.dense, attention=sharing_keys(cpu.attention),
               dropout_keep=cpu.dropout_keep, head_loss=cpu_head.head_loss, top_k=cpu.top_k,
               argmax=cpu.argmax, decode_params=cpu.decode_params, decode_head=cpu.decode_head,
-              decode_compiler_options=cpu.decode_compiler_options, cache_dtype=cpu.cache_dtype)
+              decode_compiler_options=cpu.decode_compiler_options, cache_dtype=cpu.cache_dtype,
+              cache_store=cpu.cache_store)
 ACCELERATOR = dataclasses.replace(REFERENCE, name="accelerator",
                                   attention=sharing_keys(accelerator.attention))
 _TABLES = {k.name: k for k in (REFERENCE, CPU, ACCELERATOR)}

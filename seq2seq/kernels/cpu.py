@@ -160,8 +160,10 @@ def _decode_attend_fwd(q, k, v, mask):
 
 def _decode_attend_bwd(res, dy):
   q, k, v, mask = res
-  _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, mask[:, None], None, 0.0), q, k, v)
-  return (*vjp(dy), None)
+  _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, mask[:, None], None, 0.0), q,
+                   _cached(k), _cached(v))
+  dq, dk, dv = vjp(dy)
+  return (dq, None, None, None) if k.dtype == BF16_BITS else (dq, dk, dv, None)
 
 
 _decode_attend.defvjp(_decode_attend_fwd, _decode_attend_bwd)
@@ -189,12 +191,14 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
   dtype = q_BxHxQxD.dtype
   scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, dtype)
-  q_BxHxQxD = (q_BxHxQxD * scale).astype(k_BxHxKxD.dtype)   # float32 keys: see cache_dtype
-  if (q_BxHxQxD.shape[2] <= DECODE_QUERIES and k_BxHxKxD.dtype == jnp.bfloat16
+  keys_dtype = jnp.bfloat16 if k_BxHxKxD.dtype == BF16_BITS else k_BxHxKxD.dtype
+  q_BxHxQxD = (q_BxHxQxD * scale).astype(keys_dtype)   # float32 keys: see cache_dtype
+  if (q_BxHxQxD.shape[2] <= DECODE_QUERIES and keys_dtype == jnp.bfloat16
       and keep is None and jax.default_backend() == "cpu" and native.available()):
     mask_BxQxK = _decode_mask(mask, q_BxHxQxD, k_BxHxKxD)
-    if mask_BxQxK is not None:
+    if mask_BxQxK is not None:   # (the kernel reads BF16_BITS as bf16: no copy)
       return _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK).astype(dtype)
+  k_BxHxKxD, v_BxHxKxD = _cached(k_BxHxKxD), _cached(v_BxHxKxD)
   if 1 not in q_BxHxQxD.shape[1:3]:   # one query (a decode step) or one head: any layout is
     q_BxHxQxD = row_major(q_BxHxQxD)  # row-major already, and a constraint would copy it
   y_BxHxQxD = _attend(q_BxHxQxD, row_major(k_BxHxKxD), row_major(v_BxHxKxD), mask, keep,
@@ -284,12 +288,34 @@ def decode_head(w, b_V, w_is_VxD: bool, dtype):
   return head
 
 
+BF16_BITS = jnp.uint16   # a bf16 cache stored as its bits (cache_dtype)
+
+
+def cache_store(x, dtype):
+  """`reference.cache_store`, and bf16 values as BF16_BITS."""
+  if dtype == BF16_BITS:
+    return lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+  return x.astype(dtype)
+
+
+def _cached(x):
+  """Keys or values as attention reads them: a BF16_BITS cache as the bf16 it holds."""
+  return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
+
+
 def cache_dtype(cfg):
-  """The compute dtype where the C++ decode attention reads it; else float32: XLA:CPU runs
-  a bfloat16 attention dot on a float32 copy of its operands, made at every step for keys
-  and values that change from step to step (the decode slots' cache and cross-attention
-  keys): stored as float32 (bf16 values, exactly), they are read as they are."""
-  return jnp.dtype(cfg.dtype if native.available() else jnp.float32)
+  """How the decode slots keep keys and values (their self-attention ring and the cross-
+  attention keys), which change from step to step:
+  * bf16 compute, where the C++ decode attention reads them: bf16 as its bits (BF16_BITS,
+    cache_store). XLA:CPU writes and scatters into a bf16 array through a float32 copy of
+    all of it (a ring's column: ~75 us instead of ~1 per layer and step); an integer array
+    is updated in place;
+  * bf16 compute without it: float32 (bf16 values, exactly). XLA:CPU runs a bf16 attention
+    dot on a float32 copy of its operands, made at every step for keys that change;
+  * float32 compute: float32."""
+  if cfg.dtype != "bfloat16":
+    return jnp.dtype(cfg.dtype)
+  return jnp.dtype(BF16_BITS if native.available() else jnp.float32)
 
 
 # XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands the

@@ -6,7 +6,7 @@
 // and skips the keys a query may not attend to (a cache not yet filled, padding).
 //
 //   q     f32  [B, H, Q, D]   queries, already scaled by 1/sqrt(D)
-//   k, v  bf16 or f32 [B, H, K, D]
+//   k, v  bf16 (or its bits, u16) or f32 [B, H, K, D]
 //   mask  pred [Bm, Qm, K]    Bm in {1, B}, Qm in {1, Q}: true = may attend
 //   out   f32  [B, H, Q, D]   softmax(q.k^T) v over the allowed keys; 0 where none is
 //
@@ -119,10 +119,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (k.element_type() == ffi::F32)
     return run(pool, q.typed_data(), static_cast<const float*>(k.untyped_data()),
                static_cast<const float*>(v.untyped_data()), m, out->typed_data(), qd[0], s);
-  if (k.element_type() == ffi::BF16)
+  if (k.element_type() == ffi::BF16 || k.element_type() == ffi::U16)   // U16: bf16's bits
     return run(pool, q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()),
                static_cast<const uint16_t*>(v.untyped_data()), m, out->typed_data(), qd[0], s);
-  return ffi::Error::InvalidArgument("decode_attention: keys must be bfloat16 or float32");
+  return ffi::Error::InvalidArgument(
+      "decode_attention: keys must be bfloat16 (or its bits, uint16) or float32");
 }
 
 }  // namespace

@@ -2,10 +2,10 @@
 through XLA's FFI. One so far: `decode_attention` (decode_attention.cc), a decode step's
 attention read once from a bfloat16 cache.
 
-The library is built for this CPU (-march=native) into SEQ2SEQ_NATIVE_DIR (default
+The library is built for this CPU (-march=native; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
 $XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
-source, the compiler, JAX's version and the CPU's flags, so a later process loads it in
-milliseconds. Without a compiler, with a build that fails, or with SEQ2SEQ_NATIVE=off,
+source, the compiler, JAX's and jaxlib's versions and the CPU's flags, so a later process
+loads it in milliseconds. Without a compiler, with a build that fails, or with SEQ2SEQ_NATIVE=off,
 `available()` is False and the kernel tables keep XLA's own code: the same function,
 slower (`unavailable_reason()` says why).
 """
@@ -58,8 +58,9 @@ def build(where: Path | None = None) -> Path:
   if cxx is None:
     raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
   where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
+  import jaxlib
   key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jax.__version__,
-                                  _cpu_flags()]).encode()).hexdigest()[:16]
+                                  jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
   lib = where / f"decode_attention-{key}.so"
   if lib.exists():
     return lib
@@ -102,7 +103,7 @@ def unavailable_reason() -> str:
 
 def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK) -> jax.Array:
   """softmax(q·kᵀ)·v -> [B, H, Q, D] float32, for q already scaled; keys and values read
-  in their dtype (bfloat16 or float32); mask [1|B, 1|Q, K], True = may attend; a query
+  in their dtype (bfloat16, its bits as uint16, or float32); mask [1|B, 1|Q, K], True = may attend; a query
   with no allowed key gets zeros. Needs `available()`."""
   return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
                           vmap_method="sequential")(

@@ -24,3 +24,8 @@ def dropout_keep(rng, shape, rate: float):
 
 def argmax(x_NxV):
   return jnp.argmax(x_NxV, axis=-1).astype(jnp.int32)
+
+
+def cache_store(x, dtype):
+  """Keys or values as a KV cache of `dtype` stores them."""
+  return x.astype(dtype)
