@@ -146,24 +146,25 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 DECODE_QUERIES = 16   # queries per row up to which attention on bf16 keys is a decode step's
 
 
+def _native() -> bool:
+  """Whether the C++ decode attention runs here (a CPU backend, the kernel built)."""
+  return jax.default_backend() == "cpu" and native.available()
+
+
 @jax.custom_vjp
 def _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK):
   """`_attend` of a decode step by the C++ kernel (native.decode_attention), which reads
   bf16 keys and values once instead of converting them to a float32 copy at every step.
-  Its gradient, should anything differentiate it, is `_attend`'s."""
+  Differentiated (a train step of short rows), it is `_attend`, forward and backward."""
   return native.decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK)
 
 
 def _decode_attend_fwd(q, k, v, mask):
-  return _decode_attend(q, k, v, mask), (q, k, v, mask)
+  return _attend_fwd(q, _cached(k), _cached(v), mask[:, None], None, 0.0)
 
 
 def _decode_attend_bwd(res, dy):
-  q, k, v, mask = res
-  _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, mask[:, None], None, 0.0), q,
-                   _cached(k), _cached(v))
-  dq, dk, dv = vjp(dy)
-  return (dq, None, None, None) if k.dtype == BF16_BITS else (dq, dk, dv, None)
+  return (*_attend_bwd(0.0, res, dy)[:3], None)
 
 
 _decode_attend.defvjp(_decode_attend_fwd, _decode_attend_bwd)
@@ -193,8 +194,8 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
   scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, dtype)
   keys_dtype = jnp.bfloat16 if k_BxHxKxD.dtype == BF16_BITS else k_BxHxKxD.dtype
   q_BxHxQxD = (q_BxHxQxD * scale).astype(keys_dtype)   # float32 keys: see cache_dtype
-  if (q_BxHxQxD.shape[2] <= DECODE_QUERIES and keys_dtype == jnp.bfloat16
-      and keep is None and jax.default_backend() == "cpu" and native.available()):
+  if q_BxHxQxD.shape[2] <= DECODE_QUERIES and keys_dtype == jnp.bfloat16 and keep is None \
+      and _native():
     mask_BxQxK = _decode_mask(mask, q_BxHxQxD, k_BxHxKxD)
     if mask_BxQxK is not None:   # (the kernel reads BF16_BITS as bf16: no copy)
       return _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK).astype(dtype)
@@ -315,7 +316,7 @@ def cache_dtype(cfg):
   * float32 compute: float32."""
   if cfg.dtype != "bfloat16":
     return jnp.dtype(cfg.dtype)
-  return jnp.dtype(BF16_BITS if native.available() else jnp.float32)
+  return jnp.dtype(BF16_BITS if _native() else jnp.float32)
 
 
 # XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands the
