@@ -309,13 +309,13 @@ def cache_dtype(cfg):
   attention keys), which change from step to step:
   * bf16 compute, where the C++ decode attention reads them: bf16 as its bits (BF16_BITS,
     cache_store). XLA:CPU writes and scatters into a bf16 array through a float32 copy of
-    all of it (a ring's column: ~75 us instead of ~1 per layer and step); an integer array
+    all of it (a ring's column: ~75 us per layer and step); an integer array
     is updated in place;
-  * bf16 compute without it: float32 (bf16 values, exactly). XLA:CPU runs a bf16 attention
-    dot on a float32 copy of its operands, made at every step for keys that change;
-  * float32 compute: float32."""
+  * otherwise float32 (bf16 values, exactly, without the kernel): XLA:CPU runs a bf16
+    attention dot on a float32 copy of its operands, made at every step for keys that
+    change."""
   if cfg.dtype != "bfloat16":
-    return jnp.dtype(cfg.dtype)
+    return jnp.dtype(jnp.float32)
   return jnp.dtype(BF16_BITS if _native() else jnp.float32)
 
 
