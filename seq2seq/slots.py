@@ -190,9 +190,8 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     fresh = _fresh_carry(strategy, (), refill, out_len, bos_id=bos_id, pad_id=pad_id)
     carry = {n: x if n == "state" else put(x, fresh[n]) for n, x in st["carry"].items()}
     pick = lambda x: jnp.take(x, take_R, axis=0, mode="clip")
-    cross = jax.tree_util.tree_map(lambda x, y: ops.cache_store(y, x.dtype), st["cross_kv"],
-                                   cross)
-    st = dict(st, carry=carry, cross_kv=jax.tree_util.tree_map(put, st["cross_kv"], cross),
+    put_kv = lambda x, new: put(x, ops.cache_store(new, x.dtype))   # as the slots keep them
+    st = dict(st, carry=carry, cross_kv=jax.tree_util.tree_map(put_kv, st["cross_kv"], cross),
               src_valid=put(st["src_valid"], src_RxS != pad_id),
               limit=put(st["limit"], pick(q["limit"])), key=put(st["key"], pick(q["key"])),
               width=put(st["width"], pick(q["width"])),

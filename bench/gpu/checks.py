@@ -58,23 +58,33 @@ def _program(compiled, seconds: float) -> dict:
               compile_s=seconds)
 
 
+def _train_step(preset: str, batch: int, length: int, workload: str):
+  """(config, the jitted bf16 train step, its abstract arguments) of the preset at
+  batch x length, bench_train.py's workload otherwise."""
+  import jax
+  import jax.numpy as jnp
+  import bench_train
+  from seq2seq import train_lib
+  cfg = bench_train.workload_config(preset, "bfloat16", workload=workload)
+  cfg = cfg.replace(train=cfg.train.replace(batch_size=batch, seq_len=length))
+  trainer = train_lib.Trainer(cfg, bos_id=bench_train.BOS)
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
+  return cfg, trainer.step, (trainer.abstract_state, {"src": tokens, "tgt": tokens})
+
+
 def attention(preset: str, batch: int, length: int, workload: str,
               strategies=("greedy", "beam4")) -> dict:
   import jax
   import jax.numpy as jnp
-  import bench_train
-  from seq2seq import decoding, search, train_lib
+  from seq2seq import decoding, search
   from seq2seq.kernels import accelerator
   from seq2seq.model import Transformer
 
-  cfg = bench_train.workload_config(preset, "bfloat16", workload=workload)
-  cfg = cfg.replace(train=cfg.train.replace(batch_size=batch, seq_len=length))
+  cfg, step, args = _train_step(preset, batch, length, workload)
   out = dict(preset=preset, batch=batch, length=length, backend=jax.default_backend(),
              kernels=cfg.model.kernels, requested=accelerator.requested())
-  trainer = train_lib.Trainer(cfg, bos_id=bench_train.BOS)
-  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
   t = time.perf_counter()
-  hlo = trainer.step.lower(trainer.abstract_state, {"src": tokens, "tgt": tokens}).compile()
+  hlo = step.lower(*args).compile()
   out["train_step"] = _program(hlo, time.perf_counter() - t)
 
   model = cfg.model.replace(dropout_rate=0.0)
@@ -117,9 +127,9 @@ def _event_name(name: str) -> str:
 
 
 def trace_totals(events: list[dict], top: int = 25) -> dict:
-  """Complete trace events ({name, ts, dur, pid, tid}, microseconds) summed by name: in
-  all (`total_s`), and not counting events nested inside them on the same thread
-  (`self_s`, so the self times of one thread add up to its busy time), with counts."""
+  """Complete trace events ({name, ts, dur, pid, tid}, microseconds) summed by name, the
+  `top` largest with their counts: in all (`by_total`), and not counting the events nested
+  inside them on the same thread (`by_self`: one thread's add up to its busy time)."""
   total, own, count = {}, {}, {}
   threads = {}
   for e in events:
@@ -151,14 +161,8 @@ def compile_profile(preset: str, batch: int, length: int, workload: str) -> dict
   import gzip
   import tempfile
   import jax
-  import jax.numpy as jnp
-  import bench_train
-  from seq2seq import train_lib
 
-  cfg = bench_train.workload_config(preset, "bfloat16", workload=workload)
-  cfg = cfg.replace(train=cfg.train.replace(batch_size=batch, seq_len=length))
-  trainer = train_lib.Trainer(cfg, bos_id=bench_train.BOS)
-  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
+  cfg, step, args = _train_step(preset, batch, length, workload)
   out = dict(preset=preset, batch=batch, length=length, backend=jax.default_backend(),
              kernels=cfg.model.kernels)
   options = jax.profiler.ProfileOptions()
@@ -171,7 +175,7 @@ def compile_profile(preset: str, batch: int, length: int, workload: str) -> dict
     except Exception as e:   # noqa: BLE001 - the compile is still timed, without a trace
       out["profile"] = f"the profiler did not start: {type(e).__name__}: {e}"[:300]
     t0 = time.perf_counter()
-    traced = trainer.step.trace(trainer.abstract_state, {"src": tokens, "tgt": tokens})
+    traced = step.trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()

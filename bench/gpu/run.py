@@ -200,6 +200,11 @@ def result_lines(text: str) -> list[dict]:
   return [json.loads(l[len("RESULT "):]) for l in text.splitlines() if l.startswith("RESULT ")]
 
 
+def last_result(text: str, returncode: int) -> dict:
+  """A step's parsed fields: its last `RESULT {...}` line (None if it printed none)."""
+  return dict(result=(result_lines(text) or [None])[-1])
+
+
 class Runner:
   """Runs steps under a deadline, logging to log.txt and writing JSON as each ends."""
 
@@ -393,7 +398,7 @@ def correctness(args, work: Path) -> tuple[list[Step], Callable]:
            if args.dry_run else ["--preset", "base", "--batch", "16", "--length", "64"])
   steps.append(Step("attention_in_compiled_hlo", [py, "bench/gpu/checks.py", "attention",
                                                   *shape], 150,
-                    parse=lambda text, rc: dict(result=(result_lines(text) or [None])[-1])))
+                    parse=last_result))
 
   def summarize(done):
     s = by_name(done)
@@ -515,7 +520,7 @@ def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
   steps = [Step("profile", [py, "bench/gpu/checks.py", "compile_profile", "--preset", preset,
                             *shape], 180,
                 env={"XLA_FLAGS": "--xla_gpu_print_compilation_stats"},   # per-module passes
-                parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1]))]
+                parse=last_result)]
   variants = [("no_autotuning", {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}),
               ("as_is", {"JAX_LOG_COMPILES": "1"}),
               ("xla_attention", {"SEQ2SEQ_ATTENTION": "xla"}),
@@ -530,7 +535,7 @@ def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
   steps.append(Step("tiny_programs", [py, "bench/gpu/checks.py", "compile_probe"], 60,
                     env={"TF_CPP_MIN_LOG_LEVEL": "0",
                          "TF_CPP_VMODULE": "gpu_compiler=1,nvptx_compiler=2"},
-                    parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1])))
+                    parse=last_result))
 
   def summarize(done):
     out = {}
@@ -717,7 +722,7 @@ def oom(args, work: Path) -> tuple[list[Step], Callable]:
                                              "--config.train.checkpoint_every=10"]), 200,
         skip=corpus))
   check = [sys.executable, "bench/gpu/checks.py", "checkpoints", str(workdir)]
-  parse_check = lambda t, rc: dict(result=(result_lines(t) or [None])[-1])
+  parse_check = last_result
   steps.append(Step("checkpoints_before", check, 90, parse=parse_check, skip=corpus))
   # A batch no GPU holds: the base model at 8192 rows of 64 tokens needs hundreds of GB
   # of activations. The dry run keeps its tiny batch (a CPU must not run out; its programs
@@ -812,7 +817,7 @@ def machine(runner: Runner, dry_run: bool) -> dict:
     out["nvidia_smi"] = "absent"
   rec = runner.step(Step("jax_devices", [sys.executable, "-c",
                                          ENV_SCRIPT % (("seq2seq",) + NEEDED_MODULES,)], 120,
-                         parse=lambda t, rc: dict(result=(result_lines(t) or [None])[-1])))
+                         parse=last_result))
   out["jax"] = rec.get("result") or dict(returncode=rec.get("returncode"), tail=rec.get("tail"))
   runner.say("versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items() if v))
   return out

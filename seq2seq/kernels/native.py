@@ -5,9 +5,9 @@ attention read once from a bfloat16 cache.
 The library is built for this CPU (-march=native; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
 $XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
 source, the compiler, JAX's and jaxlib's versions and the CPU's flags, so a later process
-loads it in milliseconds. Without a compiler, with a build that fails, or with SEQ2SEQ_NATIVE=off,
-`available()` is False and the kernel tables keep XLA's own code: the same function,
-slower (`unavailable_reason()` says why).
+loads it in milliseconds. Without a compiler, with a build that fails, or with
+SEQ2SEQ_NATIVE=off, `available()` is False and the kernel tables keep XLA's own code: the
+same function, slower (`unavailable_reason()` says why).
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
+
+from seq2seq import compile_cache
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 TARGET = "seq2seq_decode_attention"
@@ -32,10 +35,8 @@ _why_not = ""
 
 
 def _compiler() -> str | None:
-  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
-  return None
+  found = (shutil.which(n) for n in (os.environ.get("CXX"), "c++", "g++", "clang++") if n)
+  return next((path for path in found if path), None)
 
 
 def _cpu_flags() -> str:
@@ -47,8 +48,7 @@ def _cpu_flags() -> str:
 
 
 def default_dir() -> Path:
-  return (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-          / "seq2seq" / "native")
+  return compile_cache.default_dir().parent / "native"   # beside the compiled programs
 
 
 def build(where: Path | None = None) -> Path:
@@ -58,7 +58,6 @@ def build(where: Path | None = None) -> Path:
   if cxx is None:
     raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
   where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
-  import jaxlib
   key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jax.__version__,
                                   jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
   lib = where / f"decode_attention-{key}.so"
@@ -103,8 +102,8 @@ def unavailable_reason() -> str:
 
 def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK) -> jax.Array:
   """softmax(q·kᵀ)·v -> [B, H, Q, D] float32, for q already scaled; keys and values read
-  in their dtype (bfloat16, its bits as uint16, or float32); mask [1|B, 1|Q, K], True = may attend; a query
-  with no allowed key gets zeros. Needs `available()`."""
+  in their dtype (bfloat16, its bits as uint16, or float32); mask [1|B, 1|Q, K], True =
+  may attend; a query with no allowed key gets zeros. Needs `available()`."""
   return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
                           vmap_method="sequential")(
       q_BxHxQxD.astype(jnp.float32), k_BxHxKxD, v_BxHxKxD, mask_BxQxK.astype(jnp.bool_))
