@@ -42,11 +42,12 @@ def _repeat_rows(tree, n: int):
 
 def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_len: int,
                                  repeat: int = 1, pad_id: int = 0,
-                                 full_recompute: bool = False):
+                                 full_recompute: bool = False, rows: bool = False):
   """(tokens_to_logits, initial state) for B * repeat rows (row b * repeat + r decodes
   source b). Encodes the source and projects the cross-attention keys/values once.
 
-  Cached: feeds one token per step to `decode_step`; the state is the KV cache.
+  Cached: feeds one token per step to `decode_step`; the state is the KV cache (with
+  `rows`, its table of rows: `init_cache`).
   full_recompute: the benchmark's baseline; re-runs the teacher-forced decoder on the whole
   [rows, max_len] buffer every step (causal masking makes it equal) and keeps no state.
   """
@@ -77,16 +78,17 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
                                  True, method=Transformer.decode_step)
     return head(y_Nx1xD[:, 0]), cache
 
-  return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len)
+  return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len,
+                                             rows=rows)
 
 
 def resize_cache(cache, length: int):
   """The KV cache cut or zero-padded to `length` slots (a phase of the decode loop)."""
-  def resize(x_NxHxLxD):
-    n = x_NxHxLxD.shape[2]
+  def resize(x):   # keys and values [N, H, L, Dh], rows [N, L]
+    axis, n = x.ndim - 2 if x.ndim == 4 else 1, x.shape[x.ndim - 2 if x.ndim == 4 else 1]
     if n >= length:
-      return x_NxHxLxD[:, :, :length]
-    return jnp.pad(x_NxHxLxD, ((0, 0), (0, 0), (0, length - n), (0, 0)))
+      return lax.slice_in_dim(x, 0, length, axis=axis)
+    return jnp.pad(x, [(0, length - n) if a == axis else (0, 0) for a in range(x.ndim)])
   return jax.tree_util.tree_map(resize, cache)
 
 
@@ -109,9 +111,10 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
   else:
     limits_B = jnp.full((batch,), max_len, jnp.int32)
   repeat = strategy.size if isinstance(strategy, Beam) else 1
+  rows = repeat > 1 and not full_recompute and ops.beam_rows(cfg)
   fn, state = transformer_tokens_to_logits(model, params, src_BxS, max_len=max_len,
                                            repeat=repeat, pad_id=pad_id,
-                                           full_recompute=full_recompute)
+                                           full_recompute=full_recompute, rows=rows)
   common = dict(batch_size=batch, max_len=max_len, limits_B=limits_B, bos_id=bos_id,
                 eos_id=eos_id, pad_id=pad_id, min_len=min_len, top_k=ops.top_k,
                 resize_state=None if full_recompute else resize_cache)

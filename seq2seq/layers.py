@@ -147,12 +147,14 @@ class MultiHeadAttention(nn.Module):
     return tuple(split_heads(y, self.config.dtype)
                  for y in dense_group(x_BxLxD, [self.query, self.key, self.value]))
 
-  def attend(self, q_BxHxQxDh, k_BxHxKxDh, v_BxHxKxDh, mask=None, train: bool = False):
+  def attend(self, q_BxHxQxDh, k_BxHxKxDh, v_BxHxKxDh, mask=None, train: bool = False,
+             key_rows=None):
     cfg = self.config
     rate = cfg.attention_dropout_rate if train else 0.0
     rng = self.make_rng("dropout") if rate > 0.0 else None
+    extra = {} if key_rows is None else {"key_rows": key_rows}
     y_BxHxQxDh = kernels.get(cfg.kernels).attention(
-        q_BxHxQxDh, k_BxHxKxDh, v_BxHxKxDh, mask, dropout_rate=rate, dropout_rng=rng)
+        q_BxHxQxDh, k_BxHxKxDh, v_BxHxKxDh, mask, dropout_rate=rate, dropout_rng=rng, **extra)
     return self.out(merge_heads(y_BxHxQxDh))
 
   def __call__(self, x_BxQxD, x_BxKxD, mask=None, train: bool = False):
@@ -213,7 +215,10 @@ class DecoderLayer(nn.Module):
 
   `cross_kv` are the encoder output's keys/values for this layer (projected once per
   source). With `cache` ({"k", "v"}: [B, H, max_len, Dh]) the new self-attention keys and
-  values are written at `index` and attention reads the whole cache (decoding).
+  values are written at `index` and attention reads the whole cache (decoding). A cache
+  with "rows" ([B, max_len] int32, beam search) is not moved when hypotheses change beams:
+  row b's slot j is read from the cache row rows[b, j], where its ancestor wrote it, and
+  this step's slots are the rows' own.
   """
   config: TransformerConfig
 
@@ -237,6 +242,11 @@ class DecoderLayer(nn.Module):
         k, v = (jax.lax.dynamic_update_slice(cache[n], store(x, cache[n].dtype),
                                              (0, 0, index, 0)) for n, x in (("k", k), ("v", v)))
         new_cache = {"k": k, "v": v}
+        if "rows" in cache:
+          own_BxT = jnp.broadcast_to(jnp.arange(k.shape[0], dtype=jnp.int32)[:, None],
+                                     h_BxTxD.shape[:2])
+          new_cache["rows"] = jax.lax.dynamic_update_slice(cache["rows"], own_BxT, (0, index))
+          return self.self_attn.attend(q, k, v, self_mask, train, new_cache["rows"])
       return self.self_attn.attend(q, k, v, self_mask, train)
 
     def cross_attention(h_BxTxD):

@@ -187,12 +187,15 @@ def head_weights(config: TransformerConfig, params) -> tuple:
   return params["logits_dense"]["kernel"], params["logits_dense"]["bias"], False
 
 
-def init_cache(config: TransformerConfig, batch: int, max_len: int, dtype=None):
+def init_cache(config: TransformerConfig, batch: int, max_len: int, dtype=None,
+               rows: bool = False):
   """Empty self-attention KV cache: per decoder layer {"k", "v"} of [B, H, max_len, Dh], in
-  `dtype` (default: the compute dtype)."""
+  `dtype` (default: the compute dtype), and with `rows` the table of the rows that hold
+  each row's slots, [B, max_len] int32 (beam search: DecoderLayer, search.reorder_beams)."""
   shape = (batch, config.num_heads, max_len, config.head_dim)
   dtype = config.dtype if dtype is None else dtype
-  return tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+  table = {"rows": jnp.zeros((batch, max_len), jnp.int32)} if rows else {}
+  return tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), **table}
                for _ in range(config.num_decoder_layers))
 
 

@@ -347,10 +347,17 @@ def _phased_while_loop(cond, body, carry, max_len: int, resize_state):
 
 
 def _reorder_beams(state, parent_BxK):
-  """Each beam's state becomes its parent's: leaves [B * K, ...] gathered along rows."""
+  """Each beam's state becomes its parent's: leaves [B * K, ...] gathered along rows. A KV
+  cache with a table of rows (`model.init_cache(rows=True)`) stays where it is: only the
+  table moves, and each hypothesis reads its keys where its ancestors wrote them."""
   B, K = parent_BxK.shape
   rows = (jnp.arange(B)[:, None] * K + parent_BxK).reshape(B * K)
-  return jax.tree_util.tree_map(lambda s: jnp.take(s, rows, axis=0, mode="clip"), state)
+  take = lambda s: jnp.take(s, rows, axis=0, mode="clip")
+  has_rows = lambda node: isinstance(node, dict) and "rows" in node
+
+  def reorder(node):
+    return dict(node, rows=take(node["rows"])) if has_rows(node) else take(node)
+  return jax.tree_util.tree_map(reorder, state, is_leaf=has_rows)
 
 
 def length_penalty(length, alpha: float):

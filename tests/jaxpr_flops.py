@@ -22,7 +22,7 @@ def dot_flops(jaxpr) -> float:
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "ffi_call" and eqn.params["target_name"] == "seq2seq_decode_attention":
+    if name == "ffi_call" and eqn.params["target_name"].startswith("seq2seq_decode_attention"):
       (b, h, q, d), k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape[2]
       total += 4.0 * b * h * q * k * d
     if name == "dot_general":

@@ -47,11 +47,20 @@ def _inputs(rng, b, h, q_len, k_len, d, mask_shape, dtype):
     (3, 2, 4, 19, 16, (3, 4, 19)),       # beams of one source: 4 queries per key row
     (5, 3, 2, 11, 32, (1, 2, 11)),       # one mask for every row
 ])
-def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape):
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape, with_rows):
+  """With rows, key j of row b is read from row rows[b, j] (beam search's table)."""
   rng = np.random.default_rng(b * 100 + k_len)
   q, k, v, mask = _inputs(rng, b, h, q_len, k_len, d, mask_shape, dtype)
-  got = jax.jit(native.decode_attention)(q, k, v, mask)
-  want = _numpy_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), mask)
+  kf, vf = np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32))
+  if with_rows:
+    rows = rng.integers(0, b, (b, k_len)).astype(np.int32)
+    got = jax.jit(native.decode_attention)(q, k, v, mask, jnp.asarray(rows))
+    at = (rows[:, None, :], np.arange(h)[None, :, None], np.arange(k_len)[None, None, :])
+    kf, vf = kf[at], vf[at]                   # [b, h, k_len, d], each key from its row
+  else:
+    got = jax.jit(native.decode_attention)(q, k, v, mask)
+  want = _numpy_attention(q, kf, vf, mask)
   assert got.dtype == jnp.float32 and got.shape == (b, h, q_len, d)
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
   first = np.asarray(mask).reshape(-1, k_len)[0]
@@ -59,18 +68,23 @@ def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape)
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [8, 2])   # 2: four query rows share each key row (beams)
-def test_cpu_attention_of_a_bf16_decode_step_runs_the_kernel_and_equals_xla(rows, monkeypatch):
-  """cpu.attention on bf16 keys with few queries calls the kernel (a custom call in the
-  jaxpr) and gives what XLA's attention gives (DECODE_QUERIES = 0 turns the kernel off),
-  values and gradients."""
+@pytest.mark.parametrize("rows,dtype,key_rows", [
+    (8, jnp.bfloat16, False), (2, jnp.bfloat16, False),  # 2: four query rows per key row
+    (8, jnp.float32, False), (8, jnp.bfloat16, True), (8, jnp.float32, True)])
+def test_cpu_attention_of_a_decode_step_runs_the_kernel_and_equals_xla(rows, dtype, key_rows,
+                                                                        monkeypatch):
+  """cpu.attention with few queries calls the kernel (a custom call in the jaxpr) and gives
+  what XLA's attention gives (DECODE_QUERIES = 0 turns the kernel off), values and
+  gradients; with `key_rows`, XLA's attention reads the keys gathered by reference.key_rows."""
   from seq2seq import kernels
   rng = np.random.default_rng(rows)
-  q = jnp.asarray(rng.normal(size=(8, 4, 1, 32)), jnp.bfloat16)
-  k = jnp.asarray(rng.normal(size=(rows, 4, 23, 32)), jnp.bfloat16)
-  v = jnp.asarray(rng.normal(size=(rows, 4, 23, 32)), jnp.bfloat16)
+  q = jnp.asarray(rng.normal(size=(8, 4, 1, 32)), dtype)
+  k = jnp.asarray(rng.normal(size=(rows, 4, 23, 32)), dtype)
+  v = jnp.asarray(rng.normal(size=(rows, 4, 23, 32)), dtype)
   mask = jnp.asarray(rng.random((rows, 1, 1, 23)) < 0.8)
-  attend = kernels.sharing_keys(cpu.attention)
+  table = {"key_rows": jnp.asarray(rng.integers(0, rows, (rows, 23)), jnp.int32)} \
+      if key_rows else {}
+  attend = lambda q, k, v, mask: kernels.sharing_keys(cpu.attention)(q, k, v, mask, **table)
   loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, mask).astype(jnp.float32)))
 
   def run():
@@ -83,9 +97,10 @@ def test_cpu_attention_of_a_bf16_decode_step_runs_the_kernel_and_equals_xla(rows
   used_xla, y_xla, g_xla = run()
   assert used and not used_xla
   # bf16 outputs: the kernel keeps the weights in f32 where XLA's path rounds them to bf16
-  np.testing.assert_allclose(np.float32(y), np.float32(y_xla), atol=2e-2, rtol=2e-2)
+  tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+  np.testing.assert_allclose(np.float32(y), np.float32(y_xla), atol=tol, rtol=tol)
   for a, b in zip(g, g_xla):   # the kernel's gradient is XLA's attention's
-    np.testing.assert_allclose(np.float32(a), np.float32(b), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.float32(a), np.float32(b), atol=tol, rtol=tol)
 
 
 @needs_kernel
@@ -113,6 +128,46 @@ def test_bf16_decoding_with_the_kernel_gives_xlas_tokens_and_log_probs(strategy,
   np.testing.assert_array_equal(with_kernel.tokens, without.tokens)
   np.testing.assert_array_equal(with_kernel.lengths, without.lengths)
   np.testing.assert_allclose(with_kernel.scores, without.scores, atol=0.05)
+
+
+@pytest.mark.parametrize("table,dtype", [
+    ("reference", "float32"), pytest.param("cpu", "bfloat16", marks=needs_kernel)])
+def test_beam_search_reading_through_rows_equals_moving_the_cache(table, dtype, monkeypatch):
+  """Beam search with the cache left in place (each hypothesis's keys read through the
+  table of rows: the cpu kernels' C++ attention, the reference's gather) and with every
+  beam's cache moved to its new beam at each step: the same hypotheses and scores, and
+  the same as recomputing the whole decoder at every step."""
+  import dataclasses
+
+  import seq2seq
+  from seq2seq import decoding, kernels, search
+  from seq2seq.model import Transformer
+  cfg = seq2seq.get_config("tiny", vocab_size=64).replace(dtype=dtype, dropout_rate=0.0,
+                                                         kernels=table)
+  rng = np.random.default_rng(1)
+  src = np.asarray(rng.integers(3, 64, (3, 9)), np.int32)
+  src[1, 5:] = 0
+  params = Transformer(cfg).init(jax.random.key(0), src, src[:, :4])
+
+  def run(rows: bool, **kw):
+    monkeypatch.setitem(kernels._TABLES, table,
+                        dataclasses.replace(kernels._TABLES[table], beam_rows=lambda cfg: rows))
+    jax.clear_caches()
+    traced = str(jax.make_jaxpr(lambda p: decoding._decode_impl(
+        p, jnp.asarray(src), jax.random.key(0), cfg=cfg, strategy=search.Beam(4),
+        max_len=14, per_row_limit=False, bos_id=1, eos_id=2, pad_id=0, min_len=0,
+        full_recompute=False, return_logits=False))(params))
+    return traced, decoding.decode(cfg, params, src, search.Beam(4), bos_id=1, eos_id=2,
+                                   max_len=14, **kw)
+  traced, through_rows = run(True)
+  _, moved = run(False)
+  _, recomputed = run(False, full_recompute=True)
+  assert ("seq2seq_decode_attention_rows" in traced) == (table == "cpu")
+  for other in (moved, recomputed):
+    np.testing.assert_array_equal(through_rows.tokens, other.tokens)
+    np.testing.assert_array_equal(through_rows.lengths, other.lengths)
+    np.testing.assert_allclose(through_rows.scores, other.scores,
+                               atol=1e-4 if dtype == "float32" else 0.05)
 
 
 def test_the_build_is_cached_and_a_failing_compiler_is_one_line(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ implementation answers. Every table computes the same function (tests/test_kerne
   cpu          XLA:CPU speed work (kernels/cpu.py, kernels/cpu_head.py): matmuls with a bf16
                backward and row-major layouts, one matmul for Q, K and V, the fused output
                head + loss, hash dropout masks, chunked top-k, decode-loop options, and a
-               decode step's attention on bf16 caches in C++ (kernels/native.py, built on
+               decode step's attention in C++ (kernels/native.py, built on
                first use where a C++ compiler is)
   accelerator  the reference path with jax.nn.dot_product_attention (cuDNN flash attention
                on GPUs that have it)
@@ -36,7 +36,9 @@ class Kernels:
   name: str
   # dense(x_MxK, [(w_KxN, b_N | None), ...], dtype) -> [y_MxN float32, ...]
   dense: Callable
-  # attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask, *, dropout_rate, dropout_rng) -> BxHxQxD
+  # attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask, *, dropout_rate, dropout_rng,
+  #           key_rows=None) -> BxHxQxD; key_rows [B, K]: key j of row b is row
+  #           key_rows[b, j]'s (reference.key_rows)
   attention: Callable
   # dropout_keep(rng, shape, rate) -> bool array, True with probability 1 - rate
   dropout_keep: Callable
@@ -55,6 +57,20 @@ class Kernels:
   # (attention reads what it stores)
   cache_dtype: Callable = lambda cfg: cfg.dtype
   cache_store: Callable = reference.cache_store
+  # beam_rows(cfg) -> whether beam search leaves the KV cache in place and reads each
+  # hypothesis's keys through a table of rows (model.init_cache(rows=True)) instead of
+  # moving every beam's cache to its new beam at each step
+  beam_rows: Callable = lambda cfg: False
+
+
+def reading_rows(attention: Callable) -> Callable:
+  """`attention` that also takes `key_rows` (reference.key_rows: gathered, then attended)."""
+  def attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, key_rows=None, **kw):
+    if key_rows is not None:
+      k_BxHxKxD = reference.key_rows(k_BxHxKxD, key_rows)
+      v_BxHxKxD = reference.key_rows(v_BxHxKxD, key_rows)
+    return attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask, **kw)
+  return attend
 
 
 def sharing_keys(attention: Callable) -> Callable:
@@ -78,15 +94,15 @@ def sharing_keys(attention: Callable) -> Callable:
 
 
 REFERENCE = Kernels("reference", dense=reference.dense,
-                    attention=sharing_keys(dot_product_attention),
+                    attention=sharing_keys(reading_rows(dot_product_attention)),
                     dropout_keep=reference.dropout_keep)
 CPU = Kernels("cpu", dense=cpu.dense, attention=sharing_keys(cpu.attention),
               dropout_keep=cpu.dropout_keep, head_loss=cpu_head.head_loss, top_k=cpu.top_k,
               argmax=cpu.argmax, decode_params=cpu.decode_params, decode_head=cpu.decode_head,
               decode_compiler_options=cpu.decode_compiler_options, cache_dtype=cpu.cache_dtype,
-              cache_store=cpu.cache_store)
+              cache_store=cpu.cache_store, beam_rows=cpu.beam_rows)
 ACCELERATOR = dataclasses.replace(REFERENCE, name="accelerator",
-                                  attention=sharing_keys(accelerator.attention))
+                                  attention=sharing_keys(reading_rows(accelerator.attention)))
 _TABLES = {k.name: k for k in (REFERENCE, CPU, ACCELERATOR)}
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from seq2seq.kernels import native
+from seq2seq.kernels import native, reference
 
 
 def row_major(a: jax.Array) -> jax.Array:
@@ -143,7 +143,7 @@ def _attend_bwd(rate, res, dy_BxHxQxD):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-DECODE_QUERIES = 16   # queries per row up to which attention on bf16 keys is a decode step's
+DECODE_QUERIES = 16   # queries per row up to which attention is a decode step's
 
 
 def _native() -> bool:
@@ -152,19 +152,30 @@ def _native() -> bool:
 
 
 @jax.custom_vjp
-def _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK):
+def _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK):
   """`_attend` of a decode step by the C++ kernel (native.decode_attention), which reads
-  bf16 keys and values once instead of converting them to a float32 copy at every step.
+  bf16 keys and values once instead of converting them to a float32 copy at every step,
+  each key from row rows[b, j] if `rows_BxK` is not None (reference.key_rows).
   Differentiated (a train step of short rows), it is `_attend`, forward and backward."""
-  return native.decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK)
+  return native.decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK)
 
 
-def _decode_attend_fwd(q, k, v, mask):
-  return _attend_fwd(q, _cached(k), _cached(v), mask[:, None], None, 0.0)
+def _decode_attend_fwd(q, k, v, mask, rows):
+  k, v = _cached(k), _cached(v)
+  if rows is not None:
+    k, v = reference.key_rows(k, rows), reference.key_rows(v, rows)
+  y, res = _attend_fwd(q, k, v, mask[:, None], None, 0.0)
+  return y, (res, rows)
 
 
 def _decode_attend_bwd(res, dy):
-  return (*_attend_bwd(0.0, res, dy)[:3], None)
+  res, rows = res
+  dq, dk, dv = _attend_bwd(0.0, res, dy)[:3]
+  if rows is not None:   # a key read by several rows gets the sum of their gradients
+    at = (rows[:, None, :], jnp.arange(dk.shape[1])[None, :, None],
+          jnp.arange(dk.shape[2])[None, None, :])
+    dk, dv = (jnp.zeros_like(g).at[at].add(g) for g in (dk, dv))
+  return dq, dk, dv, None, None
 
 
 _decode_attend.defvjp(_decode_attend_fwd, _decode_attend_bwd)
@@ -182,10 +193,11 @@ def _decode_mask(mask, q_BxHxQxD, k_BxHxKxD):
 
 
 def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float = 0.0,
-              dropout_rng=None):
+              dropout_rng=None, key_rows=None):
   """`attention.dot_product_attention` with q scaled before the scores (a [Q, D] multiply,
-  not [Q, K]) and row-major operands forward and backward; a decode step on bf16 keys goes
-  to the C++ kernel where it could be built."""
+  not [Q, K]) and row-major operands forward and backward. A decode step (bf16 or float32
+  keys, read in place or through `key_rows`: reference.key_rows) goes to the C++ kernel
+  where it could be built: it reads the keys once and skips those a query may not see."""
   keep = None
   if dropout_rate > 0.0 and dropout_rng is not None:
     shape = q_BxHxQxD.shape[:3] + k_BxHxKxD.shape[2:3]
@@ -194,12 +206,16 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
   scale = jnp.asarray(q_BxHxQxD.shape[-1] ** -0.5, dtype)
   keys_dtype = jnp.bfloat16 if k_BxHxKxD.dtype == BF16_BITS else k_BxHxKxD.dtype
   q_BxHxQxD = (q_BxHxQxD * scale).astype(keys_dtype)   # float32 keys: see cache_dtype
-  if q_BxHxQxD.shape[2] <= DECODE_QUERIES and keys_dtype == jnp.bfloat16 and keep is None \
-      and _native():
+  if q_BxHxQxD.shape[2] <= DECODE_QUERIES and keep is None and _native() and (
+      keys_dtype in (jnp.bfloat16, jnp.float32)):
     mask_BxQxK = _decode_mask(mask, q_BxHxQxD, k_BxHxKxD)
     if mask_BxQxK is not None:   # (the kernel reads BF16_BITS as bf16: no copy)
-      return _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK).astype(dtype)
+      return _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK,
+                            key_rows).astype(dtype)
   k_BxHxKxD, v_BxHxKxD = _cached(k_BxHxKxD), _cached(v_BxHxKxD)
+  if key_rows is not None:
+    k_BxHxKxD = reference.key_rows(k_BxHxKxD, key_rows)
+    v_BxHxKxD = reference.key_rows(v_BxHxKxD, key_rows)
   if 1 not in q_BxHxQxD.shape[1:3]:   # one query (a decode step) or one head: any layout is
     q_BxHxQxD = row_major(q_BxHxQxD)  # row-major already, and a constraint would copy it
   y_BxHxQxD = _attend(q_BxHxQxD, row_major(k_BxHxKxD), row_major(v_BxHxKxD), mask, keep,
@@ -317,6 +333,12 @@ def cache_dtype(cfg):
   if cfg.dtype != "bfloat16":
     return jnp.dtype(jnp.float32)
   return jnp.dtype(BF16_BITS if _native() else jnp.float32)
+
+
+def beam_rows(cfg) -> bool:
+  """Beam search reads each hypothesis's keys where its ancestors wrote them (the C++ decode
+  attention through a table of rows) rather than moving every beam's cache each step."""
+  return _native()
 
 
 # XLA:CPU options for the float32 decode loop. An empty list of YNNPACK fusion kinds hands the

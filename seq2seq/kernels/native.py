@@ -1,6 +1,7 @@
 """C++ kernels for XLA:CPU, compiled on first use with the machine's C++ compiler and called
 through XLA's FFI. One so far: `decode_attention` (decode_attention.cc), a decode step's
-attention read once from a bfloat16 cache.
+attention read once from its cache (bfloat16 or float32), in place or through beam search's
+table of rows.
 
 The library is built for this CPU (-march=native; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
 $XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
@@ -28,6 +29,7 @@ from seq2seq import compile_cache
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 TARGET = "seq2seq_decode_attention"
+TARGET_ROWS = "seq2seq_decode_attention_rows"   # the same, each key read from its own row
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
          # vectorised float sums (a different order of the same additions) and no errno
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")
@@ -88,8 +90,8 @@ def available() -> bool:
     return False
   try:
     lib = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, TARGET)),
-                                platform="cpu")
+    for name in (TARGET, TARGET_ROWS):
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:
     _why_not = str(e)
     return False
@@ -100,10 +102,15 @@ def unavailable_reason() -> str:
   return "" if available() else _why_not
 
 
-def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK) -> jax.Array:
+def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK=None) -> jax.Array:
   """softmax(q·kᵀ)·v -> [B, H, Q, D] float32, for q already scaled; keys and values read
   in their dtype (bfloat16, its bits as uint16, or float32); mask [1|B, 1|Q, K], True =
-  may attend; a query with no allowed key gets zeros. Needs `available()`."""
-  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
-                          vmap_method="sequential")(
-      q_BxHxQxD.astype(jnp.float32), k_BxHxKxD, v_BxHxKxD, mask_BxQxK.astype(jnp.bool_))
+  may attend; a query with no allowed key gets zeros. With `rows_BxK` (int32), key j of
+  row b is read from row rows[b, j] of k and v (`reference.key_rows`). Needs
+  `available()`."""
+  args = [q_BxHxQxD.astype(jnp.float32), k_BxHxKxD, v_BxHxKxD, mask_BxQxK.astype(jnp.bool_)]
+  if rows_BxK is not None:
+    args.append(rows_BxK.astype(jnp.int32))
+  return jax.ffi.ffi_call(TARGET if rows_BxK is None else TARGET_ROWS,
+                          jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
+                          vmap_method="sequential")(*args)

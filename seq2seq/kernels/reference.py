@@ -29,3 +29,10 @@ def argmax(x_NxV):
 def cache_store(x, dtype):
   """Keys or values as a KV cache of `dtype` stores them."""
   return x.astype(dtype)
+
+
+def key_rows(x_BxHxKxD, rows_BxK):
+  """Keys (or values) of each row as it reads them when key j of row b lies in row
+  rows[b, j] of the cache: beam search's hypotheses read their ancestors' slots in place."""
+  return x_BxHxKxD[rows_BxK[:, None, :], jnp.arange(x_BxHxKxD.shape[1])[None, :, None],
+                   jnp.arange(x_BxHxKxD.shape[2])[None, None, :]]
