@@ -181,13 +181,16 @@ TokensToLogits = Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 def _allowed_logits(logits_NxV, length, *, eos_id, pad_id, min_len):
   """float32 logits with pad (always) and EOS (while length < min_len) set to -inf;
-  `length` is the hypothesis length if this step's token ends it."""
+  `length` is the hypothesis length if this step's token ends it. (Two columns written in
+  place: no pass over the whole vocabulary.)"""
   logits_NxV = logits_NxV.astype(jnp.float32)
-  ids = jnp.arange(logits_NxV.shape[-1])
-  banned = ids == pad_id
+  n = logits_NxV.shape[0]
+  logits_NxV = lax.dynamic_update_slice(logits_NxV, jnp.full((n, 1), NEG_INF), (0, pad_id))
   if min_len > 0:
-    banned = banned | ((ids == eos_id) & (length < min_len))
-  return jnp.where(banned, NEG_INF, logits_NxV)
+    eos_Nx1 = jnp.where(jnp.reshape(length < min_len, (-1, 1)), NEG_INF,
+                        logits_NxV[:, eos_id:eos_id + 1])
+    logits_NxV = lax.dynamic_update_slice(logits_NxV, eos_Nx1, (0, eos_id))
+  return logits_NxV
 
 
 def _argmax(x_NxV):
