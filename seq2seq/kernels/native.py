@@ -30,6 +30,9 @@ from seq2seq import compile_cache
 SOURCE = Path(__file__).with_name("decode_attention.cc")
 TARGET = "seq2seq_decode_attention"
 TARGET_ROWS = "seq2seq_decode_attention_rows"   # the same, each key read from its own row
+# symbol -> the name it is registered under: the symbol and the build's hash, so that two
+# versions of the package in one process (bench/ab.py) each call their own kernel
+_registered: dict[str, str] = {}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
          # vectorised float sums (a different order of the same additions) and no errno
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")
@@ -89,9 +92,13 @@ def available() -> bool:
     _why_not = "SEQ2SEQ_NATIVE=off"
     return False
   try:
-    lib = ctypes.cdll.LoadLibrary(str(build()))
-    for name in (TARGET, TARGET_ROWS):
-      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    path = build()
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for symbol in (TARGET, TARGET_ROWS):
+      name = f"{symbol}_{path.stem.rsplit('-', 1)[-1]}"
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                  platform="cpu")
+      _registered[symbol] = name
   except (OSError, RuntimeError, AttributeError) as e:
     _why_not = str(e)
     return False
@@ -111,6 +118,6 @@ def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK=None)
   args = [q_BxHxQxD.astype(jnp.float32), k_BxHxKxD, v_BxHxKxD, mask_BxQxK.astype(jnp.bool_)]
   if rows_BxK is not None:
     args.append(rows_BxK.astype(jnp.int32))
-  return jax.ffi.ffi_call(TARGET if rows_BxK is None else TARGET_ROWS,
+  return jax.ffi.ffi_call(_registered[TARGET if rows_BxK is None else TARGET_ROWS],
                           jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
                           vmap_method="sequential")(*args)
