@@ -42,12 +42,13 @@ def _repeat_rows(tree, n: int):
 
 def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_len: int,
                                  repeat: int = 1, pad_id: int = 0,
-                                 full_recompute: bool = False, rows: bool = False):
+                                 full_recompute: bool = False, rows: bool = False,
+                                 cache_dtype=None):
   """(tokens_to_logits, initial state) for B * repeat rows (row b * repeat + r decodes
   source b). Encodes the source and projects the cross-attention keys/values once.
 
   Cached: feeds one token per step to `decode_step`; the state is the KV cache (with
-  `rows`, its table of rows: `init_cache`).
+  `rows`, its table of rows; in `cache_dtype`, default the compute dtype: `init_cache`).
   full_recompute: the benchmark's baseline; re-runs the teacher-forced decoder on the whole
   [rows, max_len] buffer every step (causal masking makes it equal) and keeps no state.
   """
@@ -79,7 +80,7 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
     return head(y_Nx1xD[:, 0]), cache
 
   return cached_tokens_to_logits, init_cache(cfg, src_BxS.shape[0] * repeat, max_len,
-                                             rows=rows)
+                                             cache_dtype, rows=rows)
 
 
 def resize_cache(cache, length: int):
@@ -111,10 +112,13 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
   else:
     limits_B = jnp.full((batch,), max_len, jnp.int32)
   repeat = strategy.size if isinstance(strategy, Beam) else 1
+  # Beam search moves every beam's cache at each step, unless the kernels read it through a
+  # table of rows; a cache that stays in place is kept as the kernels keep one best.
   rows = repeat > 1 and not full_recompute and ops.beam_rows(cfg)
-  fn, state = transformer_tokens_to_logits(model, params, src_BxS, max_len=max_len,
-                                           repeat=repeat, pad_id=pad_id,
-                                           full_recompute=full_recompute, rows=rows)
+  fn, state = transformer_tokens_to_logits(
+      model, params, src_BxS, max_len=max_len, repeat=repeat, pad_id=pad_id,
+      full_recompute=full_recompute, rows=rows,
+      cache_dtype=ops.cache_dtype(cfg) if rows or repeat == 1 else None)
   common = dict(batch_size=batch, max_len=max_len, limits_B=limits_B, bos_id=bos_id,
                 eos_id=eos_id, pad_id=pad_id, min_len=min_len, top_k=ops.top_k,
                 resize_state=None if full_recompute else resize_cache)
