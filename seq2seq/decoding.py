@@ -120,12 +120,12 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
       full_recompute=full_recompute, rows=rows,
       cache_dtype=ops.cache_dtype(cfg) if rows or repeat == 1 else None)
   common = dict(batch_size=batch, max_len=max_len, limits_B=limits_B, bos_id=bos_id,
-                eos_id=eos_id, pad_id=pad_id, min_len=min_len, top_k=ops.top_k,
+                eos_id=eos_id, pad_id=pad_id, min_len=min_len,
                 resize_state=None if full_recompute else resize_cache)
   if isinstance(strategy, Beam):
-    return beam_search(fn, state, beam=strategy, **common)
+    return beam_search(fn, state, beam=strategy, top_k_logsumexp=ops.top_k_logsumexp, **common)
   return sample_search(fn, state, strategy=strategy, rng=rng, return_logits=return_logits,
-                       argmax=ops.argmax, **common)
+                       top_k=ops.top_k, argmax=ops.argmax, **common)
 
 
 @functools.cache

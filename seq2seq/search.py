@@ -197,6 +197,11 @@ def _argmax(x_NxV):
   return jnp.argmax(x_NxV, axis=-1).astype(jnp.int32)
 
 
+def _top_k_logsumexp(x_NxV, k: int):
+  values_Nxk, ids_Nxk = lax.top_k(x_NxV, k)
+  return values_Nxk, ids_Nxk, jax.nn.logsumexp(x_NxV, axis=-1)
+
+
 def filter_logits(logits_NxV, strategy: Sample, top_k: Callable = lax.top_k):
   """Temperature, then top-k, then top-p (nucleus): excluded tokens get -inf.
 
@@ -370,7 +375,7 @@ def length_penalty(length, alpha: float):
 
 def beam_step(tokens_to_logits: TokensToLogits, c: dict, *, beam: Beam, limits_B,
               eos_id: int, pad_id: int, min_len: int = 0,
-              top_k: Callable = lax.top_k) -> dict:
+              top_k_logsumexp: Callable = _top_k_logsumexp) -> dict:
   """One step of beam search on the carry `c` (see `beam_search`); the step `c["i"]` is
   shared by every row (a scalar) or each row's own ([B])."""
   done, length = c["done"], c["i"] + 1
@@ -385,8 +390,8 @@ def beam_step(tokens_to_logits: TokensToLogits, c: dict, *, beam: Beam, limits_B
   # EOS extensions, one per alive hypothesis), and each beam's share of them is among
   # its own best 2K tokens: log-probabilities of those only, not of the whole vocabulary.
   W = min(2 * K, x_NxV.shape[-1])
-  beam_top_NxW, beam_tok_NxW = top_k(x_NxV, W)
-  beam_logp_NxW = beam_top_NxW - jax.nn.logsumexp(x_NxV, axis=-1, keepdims=True)
+  beam_top_NxW, beam_tok_NxW, logsumexp_N = top_k_logsumexp(x_NxV, W)
+  beam_logp_NxW = beam_top_NxW - logsumexp_N[:, None]
   cand_BxKxW = c["alive_logp"][:, :, None] + beam_logp_NxW.reshape(B, K, W)
   top_score, top_flat = lax.top_k(cand_BxKxW.reshape(B, K * W), 2 * K)
   top_parent = top_flat // W
@@ -453,7 +458,7 @@ def beam_carry(state, batch_size: int, beam: Beam, max_len: int, *, bos_id: int,
 def beam_search(tokens_to_logits: TokensToLogits, state, *, batch_size: int, beam: Beam,
                 max_len: int, limits_B, bos_id: int, eos_id: int, pad_id: int,
                 min_len: int = 0, resize_state=None,
-                top_k: Callable = lax.top_k) -> DecodeResult:
+                top_k_logsumexp: Callable = _top_k_logsumexp) -> DecodeResult:
   """Beam search in one `lax.while_loop`; rows of `tokens_to_logits` and of `state` are
   batch-major beams (row b * size + k).
 
@@ -467,7 +472,8 @@ def beam_search(tokens_to_logits: TokensToLogits, state, *, batch_size: int, bea
   alpha >= 0, the penalty is largest at the limit); "best", when the step's best extension
   ends with EOS; "count", once `size` hypotheses have ended. If fewer than n_best
   hypotheses finished, the best alive ones cut at the limit fill the list (finished ones
-  always rank first). With size 1 and alpha 0 this is greedy.
+  always rank first). With size 1 and alpha 0 this is greedy. `top_k_logsumexp` computes
+  lax.top_k and each row's logsumexp of the step's logits (the kernels' may be faster).
   """
   L = max_len
   limits_B = jnp.asarray(limits_B, jnp.int32)
@@ -477,7 +483,7 @@ def beam_search(tokens_to_logits: TokensToLogits, state, *, batch_size: int, bea
 
   def body(c):
     return beam_step(tokens_to_logits, c, beam=beam, limits_B=limits_B, eos_id=eos_id,
-                     pad_id=pad_id, min_len=min_len, top_k=top_k)
+                     pad_id=pad_id, min_len=min_len, top_k_logsumexp=top_k_logsumexp)
 
   carry = beam_carry(state, batch_size, beam, L, bos_id=bos_id, pad_id=pad_id)
   # Two steps per iteration: the first step's reordered cache is the second step's scratch

@@ -210,8 +210,7 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     self-attention cache is a ring (`Transformer.decode_step`'s `column`): every row writes
     the same column, so the write is one in-place slice, whatever the rows' positions."""
     cross_kv, src_valid = st["cross_kv"], st["src_valid"]
-    common = dict(limits_B=st["limit"], eos_id=eos_id, pad_id=pad_id, min_len=min_len,
-                  top_k=ops.top_k)
+    common = dict(limits_B=st["limit"], eos_id=eos_id, pad_id=pad_id, min_len=min_len)
     keys = jax.random.wrap_key_data(st["key"])
 
     def one(c, column):
@@ -222,9 +221,10 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
                                      True, column, method=Transformer.decode_step)
         return head(y_Nx1xD[:, 0]), cache
       if isinstance(strategy, Beam):
-        return beam_step(tokens_to_logits, c, beam=strategy, **common)
-      return sample_step(tokens_to_logits, c, strategy=strategy, rng=keys, argmax=ops.argmax,
-                         **common)
+        return beam_step(tokens_to_logits, c, beam=strategy,
+                         top_k_logsumexp=ops.top_k_logsumexp, **common)
+      return sample_step(tokens_to_logits, c, strategy=strategy, rng=keys, top_k=ops.top_k,
+                         argmax=ops.argmax, **common)
 
     carry, column = st["carry"], st["column"]
     for _ in range(per_iteration):

@@ -391,6 +391,12 @@ def test_fast_top_k_and_argmax_match_lax(vocab, k):
   np.testing.assert_array_equal(idx, want_idx)
   np.testing.assert_array_equal(jax.jit(cpu.argmax)(x), np.argmax(x, -1))
   np.testing.assert_array_equal(reference.argmax(x), np.argmax(x, -1))
+  lse = np.log(np.sum(np.exp(x.astype(np.float64)), -1))
+  for fn in (cpu.top_k_logsumexp, reference.top_k_logsumexp):   # cpu: C++ where built
+    vals, idx, got = jax.jit(fn, static_argnums=1)(x, k)
+    np.testing.assert_array_equal(vals, want_vals)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_allclose(got, lse, rtol=1e-6)
 
 
 def test_cpu_has_avx512_reads_the_flags_line(monkeypatch):

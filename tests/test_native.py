@@ -130,6 +130,26 @@ def test_bf16_decoding_with_the_kernel_gives_xlas_tokens_and_log_probs(strategy,
   np.testing.assert_allclose(with_kernel.scores, without.scores, atol=0.05)
 
 
+@needs_kernel
+@pytest.mark.parametrize("n,vocab,k", [(1, 5, 1), (13, 200, 8), (9, 8000, 8), (3, 64, 64)])
+def test_top_k_logsumexp_equals_numpy(n, vocab, k):
+  """The k best entries (best first; a tie goes to the lower index), their indices and the
+  row's logsumexp, against a stable NumPy sort and float64 sums; banned (-inf) entries,
+  ties at the border of the k best, a vocabulary not a multiple of the kernel's blocks."""
+  rng = np.random.default_rng(vocab + k)
+  x = (rng.normal(size=(n, vocab)) * 4).astype(np.float32)
+  x[:, 0] = -np.inf
+  x[-1, -min(vocab - 1, k + 3):] = 9.5     # more ties than places
+  values, ids, lse = jax.jit(native.top_k_logsumexp, static_argnums=1)(jnp.asarray(x), k)
+  order = np.argsort(-x, axis=1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(ids, order)
+  np.testing.assert_array_equal(values, np.take_along_axis(x, order, 1))
+  x64 = x.astype(np.float64)
+  top = x64.max(1)
+  want = top + np.log(np.exp(x64 - top[:, None]).sum(1))
+  np.testing.assert_allclose(lse, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("table,dtype", [
     ("reference", "float32"), pytest.param("cpu", "bfloat16", marks=needs_kernel)])
 def test_beam_search_reading_through_rows_equals_moving_the_cache(table, dtype, monkeypatch):

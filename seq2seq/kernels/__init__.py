@@ -46,6 +46,8 @@ class Kernels:
   #   -> (loss_sum, correct_sum, weight_sum); None: the model's logits, then losses.py
   head_loss: Callable | None = None
   top_k: Callable = lax.top_k                     # (x_NxV, k) -> (values, indices)
+  # (x_NxV, k) -> (values, indices, logsumexp of each row): beam search's use of the logits
+  top_k_logsumexp: Callable = reference.top_k_logsumexp
   argmax: Callable = reference.argmax             # x_NxV -> int32 [N]
   # decode_params(cfg, params) -> params, made once per decode call
   decode_params: Callable = lambda cfg, params: params
@@ -98,7 +100,8 @@ REFERENCE = Kernels("reference", dense=reference.dense,
                     dropout_keep=reference.dropout_keep)
 CPU = Kernels("cpu", dense=cpu.dense, attention=sharing_keys(cpu.attention),
               dropout_keep=cpu.dropout_keep, head_loss=cpu_head.head_loss, top_k=cpu.top_k,
-              argmax=cpu.argmax, decode_params=cpu.decode_params, decode_head=cpu.decode_head,
+              argmax=cpu.argmax, top_k_logsumexp=cpu.top_k_logsumexp,
+              decode_params=cpu.decode_params, decode_head=cpu.decode_head,
               decode_compiler_options=cpu.decode_compiler_options, cache_dtype=cpu.cache_dtype,
               cache_store=cpu.cache_store, beam_rows=cpu.beam_rows)
 ACCELERATOR = dataclasses.replace(REFERENCE, name="accelerator",

@@ -269,6 +269,15 @@ def top_k(x_NxV, k: int, chunk: int = 64):
   return values, jnp.take_along_axis(best_chunks_Nxk, j // chunk, axis=1) * chunk + j % chunk
 
 
+def top_k_logsumexp(x_NxV, k: int):
+  """reference.top_k_logsumexp: in C++ where built (native.top_k_logsumexp: each row read
+  once, ~2x), else `top_k` and XLA's logsumexp."""
+  if _native():
+    return native.top_k_logsumexp(x_NxV, k)
+  values_Nxk, ids_Nxk = top_k(x_NxV, k)
+  return values_Nxk, ids_Nxk, jax.nn.logsumexp(x_NxV, axis=-1)
+
+
 # --- decoding ---------------------------------------------------------------------------------
 
 def decode_params(cfg, params):

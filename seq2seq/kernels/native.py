@@ -1,7 +1,7 @@
 """C++ kernels for XLA:CPU, compiled on first use with the machine's C++ compiler and called
-through XLA's FFI. One so far: `decode_attention` (decode_attention.cc), a decode step's
-attention read once from its cache (bfloat16 or float32), in place or through beam search's
-table of rows.
+through XLA's FFI: `decode_attention` (decode_attention.cc), a decode step's attention read
+once from its cache (bfloat16 or float32), in place or through beam search's table of rows;
+`top_k_logsumexp` (top_k.cc), a row's best entries and its logsumexp in one read.
 
 The library is built for this CPU (-march=native; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
 $XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
@@ -27,9 +27,10 @@ import jaxlib
 
 from seq2seq import compile_cache
 
-SOURCE = Path(__file__).with_name("decode_attention.cc")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode_attention.cc", "top_k.cc"))
 TARGET = "seq2seq_decode_attention"
 TARGET_ROWS = "seq2seq_decode_attention_rows"   # the same, each key read from its own row
+TARGET_TOP_K = "seq2seq_top_k_logsumexp"
 # symbol -> the name it is registered under: the symbol and the build's hash, so that two
 # versions of the package in one process (bench/ab.py) each call their own kernel
 _registered: dict[str, str] = {}
@@ -63,16 +64,16 @@ def build(where: Path | None = None) -> Path:
   if cxx is None:
     raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
   where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
-  key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jax.__version__,
+  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cxx, *FLAGS, jax.__version__,
                                   jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
-  lib = where / f"decode_attention-{key}.so"
+  lib = where / f"seq2seq_kernels-{key}.so"
   if lib.exists():
     return lib
   where.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)   # then renamed: concurrent builds
   os.close(fd)                                          # each write whole files
   try:
-    p = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp],
+    p = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp],
                        capture_output=True, text=True)
     if p.returncode != 0:
       first = next((l for l in p.stderr.splitlines() if "error" in l), p.stderr.strip())
@@ -94,7 +95,7 @@ def available() -> bool:
   try:
     path = build()
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for symbol in (TARGET, TARGET_ROWS):
+    for symbol in (TARGET, TARGET_ROWS, TARGET_TOP_K):
       name = f"{symbol}_{path.stem.rsplit('-', 1)[-1]}"
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                   platform="cpu")
@@ -109,6 +110,12 @@ def unavailable_reason() -> str:
   return "" if available() else _why_not
 
 
+def _target(symbol: str) -> str:
+  if not available():
+    raise RuntimeError(f"the C++ kernels are not available: {_why_not}")
+  return _registered[symbol]
+
+
 def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK=None) -> jax.Array:
   """softmax(q·kᵀ)·v -> [B, H, Q, D] float32, for q already scaled; keys and values read
   in their dtype (bfloat16, its bits as uint16, or float32); mask [1|B, 1|Q, K], True =
@@ -118,6 +125,18 @@ def decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK=None)
   args = [q_BxHxQxD.astype(jnp.float32), k_BxHxKxD, v_BxHxKxD, mask_BxQxK.astype(jnp.bool_)]
   if rows_BxK is not None:
     args.append(rows_BxK.astype(jnp.int32))
-  return jax.ffi.ffi_call(_registered[TARGET if rows_BxK is None else TARGET_ROWS],
+  return jax.ffi.ffi_call(_target(TARGET if rows_BxK is None else TARGET_ROWS),
                           jax.ShapeDtypeStruct(q_BxHxQxD.shape, jnp.float32),
                           vmap_method="sequential")(*args)
+
+
+def top_k_logsumexp(x_NxV, k: int):
+  """(values [N, k], indices [N, k] int32, logsumexp [N]) of float32 x: `lax.top_k(x, k)`
+  (best first, ties to the lower index) and `logsumexp(x, axis=-1)`, read once. Needs
+  `available()`."""
+  n = x_NxV.shape[0]
+  return jax.ffi.ffi_call(_target(TARGET_TOP_K),
+                          (jax.ShapeDtypeStruct((n, k), jnp.float32),
+                           jax.ShapeDtypeStruct((n, k), jnp.int32),
+                           jax.ShapeDtypeStruct((n,), jnp.float32)),
+                          vmap_method="sequential")(x_NxV.astype(jnp.float32))

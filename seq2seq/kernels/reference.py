@@ -26,6 +26,13 @@ def argmax(x_NxV):
   return jnp.argmax(x_NxV, axis=-1).astype(jnp.int32)
 
 
+def top_k_logsumexp(x_NxV, k: int):
+  """(the k largest entries of each row, best first, and their indices; each row's
+  logsumexp [N]): what beam search needs of a step's logits."""
+  values_Nxk, ids_Nxk = jax.lax.top_k(x_NxV, k)
+  return values_Nxk, ids_Nxk, jax.nn.logsumexp(x_NxV, axis=-1)
+
+
 def cache_store(x, dtype):
   """Keys or values as a KV cache of `dtype` stores them."""
   return x.astype(dtype)
