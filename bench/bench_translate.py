@@ -6,7 +6,8 @@ when the model says so, a batch that runs until its slowest row is done. This sc
 translates one file with a trained workdir, in our decoder and in CTranslate2 (the
 workdir exported by `python -m seq2seq.export ctranslate2`, run by the peer's own
 interpreter through peer_ct2_translate.py), and reports seconds, new tokens per second and
-BLEU against the reference:
+BLEU against the reference, and beside each of our rows the ceiling its decode step's
+matmuls put on tokens/s (`matmul_ceiling`: those matmuls alone, timed in the same run):
 
     python bench/bench_translate.py --workdir runs/bible \\
         --source $D/test.en --reference $D/test.fr \\
@@ -83,6 +84,37 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
   if batching == "slots":   # the share of slot-steps that made a token of a best hypothesis
     row.update(useful=stats.useful, loop_returns=stats.runs)
   return row
+
+
+def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30) -> dict:
+  """The ceiling the decode step's matmuls put on our tokens/s, measured now: one step's
+  dense products for `sources` sentences of `beam` rows each (Q, K, V; the attention
+  output; the cross-attention query and output; the FFN; per decoder layer, then the
+  output head), through the kernels' own `dense`, compiled as the decode loop is. Each
+  sentence gains at most one token per step, so `sources` / (the step's matmul time) is
+  what any loop built on these matmuls can reach, with attention and all else free."""
+  import jax
+  import jax.numpy as jnp
+  from seq2seq import kernels
+  ops, c = kernels.get(model_cfg.kernels), model_cfg
+  d, f, rows = c.d_model, c.d_ff, sources * beam
+  shapes = [(d, 3 * d), (d, d), (d, d), (d, d), (d, f), (f, d)] * c.num_decoder_layers
+  key = iter(jax.random.split(jax.random.key(0), len(shapes) + 2))
+  weights = [jax.random.normal(next(key), s, jnp.float32).astype(c.dtype) * s[0] ** -0.5
+             for s in shapes + [(d, c.vocab_size)]]
+  x = jax.random.normal(next(key), (rows, d), jnp.float32)
+
+  def step(y, weights):
+    for w in weights:    # each product feeds the next, so they run one after another
+      k = w.shape[0]
+      x = y[:, :k] if y.shape[1] >= k else jnp.tile(y, (1, -(-k // y.shape[1])))[:, :k]
+      y = ops.dense(x, [(w, None)], c.dtype)[0]
+    return y
+  options = ops.decode_compiler_options(c) or None
+  from bench_train import timed_calls
+  seconds = statistics.median(timed_calls(jax.jit(step, compiler_options=options), x,
+                                          weights, repeats=repeats))
+  return dict(rows=rows, step_s=seconds, tokens_per_sec=sources / seconds)
 
 
 def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, strategies,
@@ -162,6 +194,9 @@ def main(argv=None):
       for batching in args.batching.split(","):
         rows.append(run_ours(model_cfg, decode_params, tok, sentences, s, args.batch_size,
                              args.repeats, batching))
+        ceiling = matmul_ceiling(model_cfg, min(args.batch_size, len(sentences)),
+                                 STRATEGIES[s][0])
+        rows[-1]["matmul_ceiling"] = ceiling
         print(f"ours {dtype} {s} {batching}: {statistics.median(rows[-1]['seconds']):.1f} s",
               flush=True)
   version = None
@@ -180,7 +215,7 @@ def main(argv=None):
   print(f"\n{len(sentences)} sentences of {args.source}, batch {args.batch_size}; "
         f"{cpu}; CTranslate2 {version}")
   print(f"{'system':12} {'precision':10} {'strategy':11} {'batching':8} {'seconds':>8} "
-        f"{'first':>6} {'tokens/s':>9} {'BLEU':>6} {'useful':>6}")
+        f"{'first':>6} {'tokens/s':>9} {'BLEU':>6} {'useful':>6} {'matmuls':>8}")
   for r in rows:
     if "error" in r:
       print(f"{r['system']:12} {r['precision']:10} refused: {r['error']}")
@@ -191,9 +226,11 @@ def main(argv=None):
       r["bleu"] = metrics.bleu(r["hypotheses"], references)
     first = f"{r['first_pass_s']:6.1f}" if "first_pass_s" in r else f"{'':6}"
     useful = f"{r['useful']:6.1%}" if "useful" in r else f"{'':6}"
+    ceiling = r.get("matmul_ceiling", {}).get("tokens_per_sec")
     print(f"{r['system']:12} {r['precision']:10} {r['strategy']:11} {r.get('batching', ''):8} "
           f"{r['median_s']:8.1f} {first} {r['tokens_per_sec']:9.0f} "
-          f"{r.get('bleu', float('nan')):6.2f} {useful}")
+          f"{r.get('bleu', float('nan')):6.2f} {useful} "
+          + (f"{ceiling:8.0f}" if ceiling else ""))
   # Our two batchings translate alike (greedy and beam search: the same search per sentence).
   by_key = collections.defaultdict(dict)
   for r in rows:

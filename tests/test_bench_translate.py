@@ -41,5 +41,10 @@ def test_translates_a_file_with_both_systems(default_run, tmp_path):
     assert r["bleu"] == pytest.approx(sacrebleu.corpus_bleu(texts, [references]).score)
     assert r["bleu"] > 90   # a trained model, every sentence translated
     assert r["tokens_per_sec"] == pytest.approx(r["new_tokens"] / r["median_s"])
+    if system == "seq2seq":   # the step's matmuls alone: 32 sentences of 1 or 4 rows
+      ceiling = r["matmul_ceiling"]
+      assert ceiling["rows"] == 32 * (4 if strategy == "beam4" else 1)
+      assert ceiling["step_s"] > 0
+      assert ceiling["tokens_per_sec"] == pytest.approx(32 / ceiling["step_s"])
   ours = (hyps / "seq2seq.float32.greedy.txt").read_text()
   assert (hyps / "ctranslate2.float32.greedy.txt").read_text() == ours
