@@ -7,9 +7,9 @@ implementation answers. Every table computes the same function (tests/test_kerne
                train step's logits -> losses.cross_entropy)
   cpu          XLA:CPU speed work (kernels/cpu.py, kernels/cpu_head.py): matmuls with a bf16
                backward and row-major layouts, one matmul for Q, K and V, the fused output
-               head + loss, hash dropout masks, chunked top-k, decode-loop options, and a
-               decode step's attention in C++ (kernels/native.py, built on
-               first use where a C++ compiler is)
+               head + loss, hash dropout masks, chunked top-k, decode-loop options, and in
+               C++ (kernels/native.py, built on first use where a C++ compiler is) a
+               decode step's attention and beam search's top-k and logsumexp
   accelerator  the reference path with jax.nn.dot_product_attention (cuDNN flash attention
                on GPUs that have it)
   auto         cpu on a CPU backend, accelerator on GPU and TPU
