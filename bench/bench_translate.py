@@ -20,14 +20,15 @@ slot-steps that made a token of a returned translation) and/or fixed (batches ea
 until their slowest sentence ends); with slots and fixed, the line after the table says on
 how many sentences they agree. The first pass compiles (its time is reported
 apart), then `--repeats` passes, the median reported. `beam4_best` and `beam4_count` are
-our beam search with its other stop rules (search.Beam.stop). CTranslate2: `translate_batch` with max_batch_size=batch_size,
-intra_threads=2, at each `--compute_types`, after one warm-up batch, median of `--repeats`
-passes. Beam search: size 4, length penalty 0.6 for both (CTranslate2 divides by
-length ** 0.6, we by GNMT's ((5 + length) / 6) ** 0.6); greedy is the same search in
-both. Length limit: ours is each source's length + 50, CTranslate2's
-`--max_decoding_length` (it has no per-source limit). Both read the same source ids
-(`translate.encode_sources`: normalised, cut to the model's max_len). New tokens: the best
-hypothesis of each sentence, EOS counted. Writes bench/results/translate.json.
+our beam search with its other stop rules (search.Beam.stop). CTranslate2:
+`translate_batch` with max_batch_size=batch_size, intra_threads=2, at each
+`--compute_types`, after one warm-up batch, median of `--repeats` passes. Beam search:
+size 4, length penalty 0.6 for both (CTranslate2 divides by length ** 0.6, we by GNMT's
+((5 + length) / 6) ** 0.6); greedy is the same search in both. Length limit: ours is
+each source's length + 50, CTranslate2's `--max_decoding_length` (it has no per-source
+limit). Both read the same source ids (`translate.encode_sources`: normalised, cut to the
+model's max_len). New tokens: the best hypothesis of each sentence, EOS counted.
+Writes bench/results/translate.json.
 """
 from __future__ import annotations
 

@@ -113,12 +113,15 @@ def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_
     limits_B = jnp.full((batch,), max_len, jnp.int32)
   repeat = strategy.size if isinstance(strategy, Beam) else 1
   # Beam search moves every beam's cache at each step, unless the kernels read it through a
-  # table of rows; a cache that stays in place is kept as the kernels keep one best.
+  # table of rows. Where they do, a cache that stays in place is stored as they keep one
+  # best (cache_dtype: bf16 as its bits on the cpu kernels); XLA's own attention reads the
+  # compute dtype faster in this loop (docs/performance.md, "Tried and left out").
   rows = repeat > 1 and not full_recompute and ops.beam_rows(cfg)
+  in_place = ops.beam_rows(cfg) and (rows or repeat == 1)
   fn, state = transformer_tokens_to_logits(
       model, params, src_BxS, max_len=max_len, repeat=repeat, pad_id=pad_id,
       full_recompute=full_recompute, rows=rows,
-      cache_dtype=ops.cache_dtype(cfg) if rows or repeat == 1 else None)
+      cache_dtype=ops.cache_dtype(cfg) if in_place else None)
   common = dict(batch_size=batch, max_len=max_len, limits_B=limits_B, bos_id=bos_id,
                 eos_id=eos_id, pad_id=pad_id, min_len=min_len,
                 resize_state=None if full_recompute else resize_cache)

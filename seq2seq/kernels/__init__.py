@@ -54,8 +54,9 @@ class Kernels:
   # decode_head(w, b, w_is_VxD, dtype) -> (y_NxD -> logits_NxV); None: the model's head
   decode_head: Callable | None = None
   decode_compiler_options: Callable = lambda cfg: {}   # cfg -> XLA options of the loop
-  # cache_dtype(cfg) -> the dtype the decode slots keep keys and values in (their values are
-  # the compute dtype's, whatever the storage); cache_store(x, dtype) -> x as that storage
+  # cache_dtype(cfg) -> the dtype a cache that stays in place keeps keys and values in (the
+  # decode slots'; the fixed loop's where beam_rows): their values are the compute dtype's,
+  # whatever the storage; cache_store(x, dtype) -> x as that storage
   # (attention reads what it stores)
   cache_dtype: Callable = lambda cfg: cfg.dtype
   cache_store: Callable = reference.cache_store

@@ -154,8 +154,8 @@ def _native() -> bool:
 @jax.custom_vjp
 def _decode_attend(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK):
   """`_attend` of a decode step by the C++ kernel (native.decode_attention), which reads
-  bf16 keys and values once instead of converting them to a float32 copy at every step,
-  each key from row rows[b, j] if `rows_BxK` is not None (reference.key_rows).
+  keys and values once in their dtype (XLA converts bf16 ones to a float32 copy at every
+  step), each key from row rows[b, j] if `rows_BxK` is not None (reference.key_rows).
   Differentiated (a train step of short rows), it is `_attend`, forward and backward."""
   return native.decode_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask_BxQxK, rows_BxK)
 
@@ -331,7 +331,8 @@ def _cached(x):
 
 def cache_dtype(cfg):
   """How the decode slots keep keys and values (their self-attention ring and the cross-
-  attention keys), which change from step to step:
+  attention keys), which change from step to step, and the fixed loop a self-attention
+  cache that stays in place where the C++ attention reads it (beam_rows):
   * bf16 compute, where the C++ decode attention reads them: bf16 as its bits (BF16_BITS,
     cache_store). XLA:CPU writes and scatters into a bf16 array through a float32 copy of
     all of it (a ring's column: ~75 us per layer and step); an integer array
