@@ -2,6 +2,7 @@
 the cpu kernels' attention (values, gradients, the decode loop's tokens), and its build:
 cached, and a missing or failing compiler leaves XLA's own attention in place."""
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -191,16 +192,22 @@ def test_beam_search_reading_through_rows_equals_moving_the_cache(table, dtype, 
 
 
 def test_the_build_is_cached_and_a_failing_compiler_is_one_line(tmp_path, monkeypatch):
-  """The library is built once per source, compiler, JAX and CPU, then found; a compiler
-  that fails, or none, is a RuntimeError naming it (available() then says False)."""
+  """The library is built once per source, compiler, -march, JAX and CPU, then found; a
+  compiler that fails, or none, is a RuntimeError naming it (available() then says False)."""
   if native._compiler() is None:
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
       native.build(tmp_path)
     return
+  monkeypatch.delenv("SEQ2SEQ_NATIVE_MARCH", raising=False)   # -march=native
   lib = native.build(tmp_path)
   mtime = lib.stat().st_mtime_ns
   assert native.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime
   assert [p.name for p in tmp_path.iterdir()] == [lib.name]     # no temporary left
+  if platform.machine() == "x86_64":   # built for another CPU: another library
+    monkeypatch.setenv("SEQ2SEQ_NATIVE_MARCH", "x86-64-v3")
+    avx2 = native.build(tmp_path)
+    assert avx2 != lib and native.build(tmp_path) == avx2
+    monkeypatch.delenv("SEQ2SEQ_NATIVE_MARCH")
   bad = tmp_path / "bad-cxx"
   bad.write_text("#!/bin/sh\necho 'x.cc:1: error: not today' >&2\nexit 1\n")
   bad.chmod(0o755)

@@ -3,7 +3,8 @@ through XLA's FFI: `decode_attention` (decode_attention.cc), a decode step's att
 once from its cache (bfloat16 or float32), in place or through beam search's table of rows;
 `top_k_logsumexp` (top_k.cc), a row's best entries and its logsumexp in one read.
 
-The library is built for this CPU (-march=native; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
+The library is built for this CPU (-march=native, or SEQ2SEQ_NATIVE_MARCH's value, e.g.
+x86-64-v3 for AVX2 only; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
 $XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
 source, the compiler, JAX's and jaxlib's versions and the CPU's flags, so a later process
 loads it in milliseconds. Without a compiler, with a build that fails, or with
@@ -34,7 +35,7 @@ TARGET_TOP_K = "seq2seq_top_k_logsumexp"
 # symbol -> the name it is registered under: the symbol and the build's hash, so that two
 # versions of the package in one process (bench/ab.py) each call their own kernel
 _registered: dict[str, str] = {}
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC",
          # vectorised float sums (a different order of the same additions) and no errno
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")
 _why_not = ""
@@ -64,7 +65,8 @@ def build(where: Path | None = None) -> Path:
   if cxx is None:
     raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
   where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
-  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cxx, *FLAGS, jax.__version__,
+  flags = (*FLAGS, f"-march={os.environ.get('SEQ2SEQ_NATIVE_MARCH') or 'native'}")
+  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cxx, *flags, jax.__version__,
                                   jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
   lib = where / f"seq2seq_kernels-{key}.so"
   if lib.exists():
@@ -73,7 +75,7 @@ def build(where: Path | None = None) -> Path:
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)   # then renamed: concurrent builds
   os.close(fd)                                          # each write whole files
   try:
-    p = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp],
+    p = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp],
                        capture_output=True, text=True)
     if p.returncode != 0:
       first = next((l for l in p.stderr.splitlines() if "error" in l), p.stderr.strip())
