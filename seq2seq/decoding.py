@@ -86,7 +86,8 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
 def resize_cache(cache, length: int):
   """The KV cache cut or zero-padded to `length` slots (a phase of the decode loop)."""
   def resize(x):   # keys and values [N, H, L, Dh], rows [N, L]
-    axis, n = x.ndim - 2 if x.ndim == 4 else 1, x.shape[x.ndim - 2 if x.ndim == 4 else 1]
+    axis = 2 if x.ndim == 4 else 1
+    n = x.shape[axis]
     if n >= length:
       return lax.slice_in_dim(x, 0, length, axis=axis)
     return jnp.pad(x, [(0, length - n) if a == axis else (0, 0) for a in range(x.ndim)])

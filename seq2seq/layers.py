@@ -152,9 +152,9 @@ class MultiHeadAttention(nn.Module):
     cfg = self.config
     rate = cfg.attention_dropout_rate if train else 0.0
     rng = self.make_rng("dropout") if rate > 0.0 else None
-    extra = {} if key_rows is None else {"key_rows": key_rows}
     y_BxHxQxDh = kernels.get(cfg.kernels).attention(
-        q_BxHxQxDh, k_BxHxKxDh, v_BxHxKxDh, mask, dropout_rate=rate, dropout_rng=rng, **extra)
+        q_BxHxQxDh, k_BxHxKxDh, v_BxHxKxDh, mask, dropout_rate=rate, dropout_rng=rng,
+        key_rows=key_rows)
     return self.out(merge_heads(y_BxHxQxDh))
 
   def __call__(self, x_BxQxD, x_BxKxD, mask=None, train: bool = False):
@@ -237,17 +237,18 @@ class DecoderLayer(nn.Module):
     def masked_self_attention(h_BxTxD):
       nonlocal new_cache
       q, k, v = self.self_attn.project_qkv(h_BxTxD)
+      rows = None
       if cache is not None:
         store = kernels.get(self.config.kernels).cache_store   # as the cache keeps them
         k, v = (jax.lax.dynamic_update_slice(cache[n], store(x, cache[n].dtype),
                                              (0, 0, index, 0)) for n, x in (("k", k), ("v", v)))
         new_cache = {"k": k, "v": v}
-        if "rows" in cache:
+        if "rows" in cache:   # this step's slots: in the rows' own
           own_BxT = jnp.broadcast_to(jnp.arange(k.shape[0], dtype=jnp.int32)[:, None],
                                      h_BxTxD.shape[:2])
-          new_cache["rows"] = jax.lax.dynamic_update_slice(cache["rows"], own_BxT, (0, index))
-          return self.self_attn.attend(q, k, v, self_mask, train, new_cache["rows"])
-      return self.self_attn.attend(q, k, v, self_mask, train)
+          rows = jax.lax.dynamic_update_slice(cache["rows"], own_BxT, (0, index))
+          new_cache["rows"] = rows
+      return self.self_attn.attend(q, k, v, self_mask, train, rows)
 
     def cross_attention(h_BxTxD):
       return self.cross_attn.attend(self.cross_attn.project_q(h_BxTxD), *cross_kv, cross_mask,

@@ -71,7 +71,7 @@ def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape,
 @needs_kernel
 @pytest.mark.parametrize("rows,dtype,key_rows", [
     (8, jnp.bfloat16, False), (2, jnp.bfloat16, False),  # 2: four query rows per key row
-    (8, jnp.float32, False), (8, jnp.bfloat16, True), (8, jnp.float32, True)])
+    (8, jnp.bfloat16, True), (8, jnp.float32, True)])
 def test_cpu_attention_of_a_decode_step_runs_the_kernel_and_equals_xla(rows, dtype, key_rows,
                                                                         monkeypatch):
   """cpu.attention with few queries calls the kernel (a custom call in the jaxpr) and gives
