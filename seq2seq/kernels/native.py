@@ -6,8 +6,8 @@ once from its cache (bfloat16 or float32), in place or through beam search's tab
 The library is built for this CPU (-march=native, or SEQ2SEQ_NATIVE_MARCH's value, e.g.
 x86-64-v3 for AVX2 only; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
 $XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
-source, the compiler, JAX's and jaxlib's versions and the CPU's flags, so a later process
-loads it in milliseconds. Without a compiler, with a build that fails, or with
+sources, the compiler and its flags, JAX's and jaxlib's versions and the CPU's flags, so
+a later process loads it in milliseconds. Without a compiler, with a build that fails, or with
 SEQ2SEQ_NATIVE=off, `available()` is False and the kernel tables keep XLA's own code: the
 same function, slower (`unavailable_reason()` says why).
 """
@@ -66,8 +66,9 @@ def build(where: Path | None = None) -> Path:
     raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
   where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
   flags = (*FLAGS, f"-march={os.environ.get('SEQ2SEQ_NATIVE_MARCH') or 'native'}")
-  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cxx, *flags, jax.__version__,
-                                  jaxlib.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
+  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cxx, *flags,
+                                  jax.__version__, jaxlib.__version__,
+                                  _cpu_flags()]).encode()).hexdigest()[:16]
   lib = where / f"seq2seq_kernels-{key}.so"
   if lib.exists():
     return lib
@@ -75,8 +76,8 @@ def build(where: Path | None = None) -> Path:
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)   # then renamed: concurrent builds
   os.close(fd)                                          # each write whole files
   try:
-    p = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp],
-                       capture_output=True, text=True)
+    p = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES),
+                        "-o", tmp], capture_output=True, text=True)
     if p.returncode != 0:
       first = next((l for l in p.stderr.splitlines() if "error" in l), p.stderr.strip())
       raise RuntimeError(f"{Path(cxx).name} failed: {first[:300]}")
