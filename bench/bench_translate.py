@@ -68,7 +68,7 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
   beam, stop = STRATEGIES[strategy_name]
   strategy = Beam(size=beam, alpha=ALPHA, stop=stop) if beam > 1 else Greedy()
   asked, batching = batching, resolve_batching(batching, strategy, len(sentences),
-                                                batch_size)
+                                                batch_size, model_cfg)
   seconds = []
   for _ in range(repeats + 1):
     stats = StreamStats()
@@ -78,7 +78,8 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
     seconds.append(time.perf_counter() - t)
   row = dict(system="seq2seq", precision=model_cfg.dtype, strategy=strategy_name,
              batching=batching, batching_asked=asked,
-             auto_batching=resolve_batching("auto", strategy, len(sentences), batch_size),
+             auto_batching=resolve_batching("auto", strategy, len(sentences), batch_size,
+                                            model_cfg),
              first_pass_s=seconds[0],
              seconds=seconds[1:],
              new_tokens=out.num_tokens, hypotheses=[t[0] for t in out.texts])

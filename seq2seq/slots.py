@@ -85,8 +85,12 @@ def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: 
                  out_len: int, ring: int, *, bos_id: int, pad_id: int) -> dict:
   """Every slot free: done, holding no source (id -1); source width `width`, output
   buffers of `out_len` tokens, a self-attention cache ring of `ring` columns."""
-  dtype = kernels.get(cfg.kernels).cache_dtype(cfg)
-  cache = init_cache(cfg, slots * _beam(strategy), ring, dtype)
+  ops = kernels.get(cfg.kernels)
+  dtype = ops.cache_dtype(cfg)
+  # Beam search reads its hypotheses' keys where their ancestors wrote them, where the
+  # kernels can (a table of rows; see search._reorder_beams), instead of moving the cache.
+  cache = init_cache(cfg, slots * _beam(strategy), ring, dtype,
+                     rows=isinstance(strategy, Beam) and ops.beam_rows(cfg))
   carry = _fresh_carry(strategy, cache, slots, out_len, bos_id=bos_id, pad_id=pad_id)
   kv = jnp.zeros((slots, cfg.num_heads, width, cfg.head_dim), dtype)
   state = dict(carry=dict(carry, done=jnp.ones((slots,), bool)), column=jnp.int32(0),
@@ -117,10 +121,13 @@ def _resize(state: dict, width: int, out_len: int, ring: int, pad_id: int) -> di
   # The cache ring turned so that the next column is 0 (the newest entries last), then its
   # oldest columns cut, or empty ones added after the newest (the next column, then).
   have = carry["state"][0]["k"].shape[2]
-  turn = lambda x: jnp.roll(x, -state["column"], axis=2)
-  carry["state"] = jax.tree_util.tree_map(
-      lambda x: lax.slice_in_dim(turn(x), have - ring, have, axis=2) if have >= ring
-      else fit(turn(x), 2, ring), carry["state"])
+
+  def ring_fit(x):   # keys and values [N, H, ring, Dh]; a table of rows [N, ring]
+    axis = 2 if x.ndim == 4 else 1
+    x = jnp.roll(x, -state["column"], axis=axis)
+    return (lax.slice_in_dim(x, have - ring, have, axis=axis) if have >= ring
+            else fit(x, axis, ring))
+  carry["state"] = jax.tree_util.tree_map(ring_fit, carry["state"])
   for name in _SEQS:
     if name in carry:
       carry[name] = fit(carry[name], carry[name].ndim - 1, out_len + 1, pad_id)

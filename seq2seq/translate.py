@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from seq2seq import slots
+from seq2seq import kernels, slots
 from seq2seq.config import TransformerConfig
 from seq2seq.decoding import _variables, as_key, decode, decode_params
 from seq2seq.search import Beam, Greedy, Sample, Strategy, _check, _is_int
@@ -91,20 +91,26 @@ BATCHING = ("auto", "slots", "fixed")
 
 
 def resolve_batching(batching: str, strategy: Strategy, num_sentences: int | None = None,
-                     batch_size: int = 64) -> str:
-  """"auto": decode slots for greedy and sampling, fixed batches for beam search. Measured on
-  real text (docs/performance.md, "Real text"): slots spend 96% of their steps on tokens
-  against 68% for fixed batches, and greedy decodes 1.2x faster; a beam-search step moves
-  every beam's whole cache, which the slots hold at full length where the fixed loop's
-  early phases hold a quarter, so there the two take the same time and the slots compile
-  longer. Greedy search of no more sentences than one batch holds (a line typed at a
-  terminal) has no slot to refill: fixed batches, whose step is cheaper (the same tokens)."""
+                     batch_size: int = 64, cfg: TransformerConfig | None = None) -> str:
+  """"auto": decode slots where a finished sentence has a successor to take its slot.
+  Measured on real text (docs/performance.md, "Real text"): greedy slots spend 96% of their
+  steps on tokens against 68% for fixed batches, and decode 1.2x faster; beam search in
+  slots 1.2-1.3x, where its kernels read each hypothesis's keys through a table of rows
+  (`kernels.beam_rows`, `cfg`'s table). Elsewhere a beam-search step moves every beam's
+  whole cache, which the slots hold at full length where the fixed loop's early phases
+  hold a quarter: fixed batches. Greedy or beam search of no more sentences than one batch
+  holds (a line typed at a terminal) has no slot to refill: fixed batches, whose step is
+  cheaper (the same tokens). Sampling keeps the slots' one key per sentence."""
   if batching != "auto":
     return batching
-  if isinstance(strategy, Beam):
+  if isinstance(strategy, Sample):
+    return "slots"
+  if num_sentences is not None and num_sentences <= batch_size:
     return "fixed"
-  few = num_sentences is not None and num_sentences <= batch_size
-  return "fixed" if few and isinstance(strategy, Greedy) else "slots"
+  if isinstance(strategy, Beam):
+    rows = cfg is not None and kernels.get(cfg.kernels).beam_rows(cfg)
+    return "slots" if rows else "fixed"
+  return "slots"
 
 
 def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequence[str],
@@ -118,8 +124,9 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   Sources are `source_ids(tokenizer, s)`, padded to a multiple of `length_multiple` tokens
   so few shapes are compiled and reused.
 
-  batching: "auto" (`resolve_batching`: slots for sampling, and for greedy search of more
-    sentences than a batch; fixed batches for beam search), "slots"
+  batching: "auto" (`resolve_batching`: slots for sampling, and for greedy and beam search
+    of more sentences than a batch; fixed batches for beam search where the kernels move
+    every beam's cache), "slots"
     (`slots.decode_stream`): `batch_size` sentences decode together and one that ends
     hands its place to the next, longest sources first; sentence j (counting
     the sentences decoded, not the skipped ones) samples with `fold_in(rng, j)`. "fixed":
@@ -141,7 +148,7 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   _check(max_len is None or (_is_int(max_len) and 1 <= max_len <= cfg.max_len),
          f"max_len must be in [1, {cfg.max_len}] (the model's max_len), got {max_len!r}")
   sentences = _sentences(sentences)
-  batching = resolve_batching(batching, strategy, len(sentences), batch_size)
+  batching = resolve_batching(batching, strategy, len(sentences), batch_size, cfg)
   pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
   srcs, truncated = encode_sources(tokenizer, sentences, cfg.max_len, truncate=truncate)
   texts: list[list[str]] = [[""] for _ in srcs]

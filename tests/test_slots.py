@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from seq2seq import decoding, slots
+from seq2seq import decoding, kernels, slots
 from seq2seq.errors import UserError
 from seq2seq.search import Beam, Greedy, Sample
 from test_decoding import CFG, _random_params
@@ -44,13 +44,26 @@ def _batch(sources):
   return src
 
 
-@pytest.mark.parametrize("strategy", [Greedy(), Beam(size=3, alpha=0.6, n_best=2)],
-                         ids=["greedy", "beam"])
-def test_stream_decodes_each_source_as_decode_does(params, sources, eos, strategy):
+BEAM = Beam(size=3, alpha=0.6, n_best=2)
+
+
+@pytest.mark.parametrize("strategy,table", [(Greedy(), "reference"), (BEAM, "reference"),
+                                              (BEAM, "cpu")],
+                         ids=["greedy", "beam", "beam-rows"])
+def test_stream_decodes_each_source_as_decode_does(params, sources, eos, strategy, table):
+  """With the cpu kernels (where the C++ attention is built) beam search leaves the cache
+  ring in place and reads each hypothesis's keys through a table of rows, resized with
+  the ring; the reference kernels move every beam's cache."""
+  cfg = CFG.replace(kernels=table)
+  rows = kernels.get(table).beam_rows(cfg) and isinstance(strategy, Beam)
+  state = slots._empty_state(cfg, strategy, 4, 16, 20, 20, bos_id=BOS, pad_id=0)
+  assert ("rows" in state["carry"]["state"][0]) == rows
+  if table == "cpu" and not rows:
+    pytest.skip("the C++ decode attention is not built here (kernels/native.py)")
   want = decoding.decode(CFG, params, _batch(sources), strategy, bos_id=BOS, eos_id=eos)
   assert len(set(want.lengths[:, 0].tolist())) >= 3     # sentences end at different steps
   stats = slots.StreamStats()
-  got = slots.decode_stream(CFG, params, sources, strategy, bos_id=BOS, eos_id=eos, slots=4,
+  got = slots.decode_stream(cfg, params, sources, strategy, bos_id=BOS, eos_id=eos, slots=4,
                             refill=2, queue=3, stats=stats)
   for b, (tokens, scores, lengths) in enumerate(got):
     np.testing.assert_array_equal(lengths, want.lengths[b])

@@ -129,14 +129,21 @@ def test_translate_chunks_is_translate_nbest_chunk_by_chunk(params):
 
 def test_auto_batching_chooses_by_strategy_and_sentence_count():
   """Slots where a finished sentence has a successor to take its slot; fixed batches for
-  beam search, and for greedy search of at most one batch (the same tokens, a cheaper
-  step); sampling keeps the slots' one key per sentence whatever the count."""
+  greedy and beam search of at most one batch (the same tokens, a cheaper step), and for
+  beam search whose kernels move every beam's cache (no table of rows); sampling keeps
+  the slots' one key per sentence whatever the count."""
+  from seq2seq import kernels
   resolve = tr.resolve_batching
   assert resolve("auto", Greedy(), 65, 64) == "slots"
   assert resolve("auto", Greedy(), 64, 64) == resolve("auto", Greedy(), 1, 64) == "fixed"
   assert resolve("auto", Greedy()) == "slots"                 # a count not known
   assert resolve("auto", Sample(temperature=1.0), 1, 64) == "slots"
-  assert resolve("auto", Beam(size=4), 1000, 64) == "fixed"
+  cpu, ref = CFG.replace(kernels="cpu"), CFG.replace(kernels="reference")
+  rows = kernels.get("cpu").beam_rows(cpu)
+  assert resolve("auto", Beam(size=4), 1000, 64, cpu) == ("slots" if rows else "fixed")
+  assert resolve("auto", Beam(size=4), 1000, 64, ref) == "fixed"
+  assert resolve("auto", Beam(size=4), 1000, 64) == "fixed"   # no config: no table known
+  assert resolve("auto", Beam(size=4), 64, 64, cpu) == "fixed"
   assert resolve("slots", Greedy(), 1, 64) == "slots" and resolve("fixed", Greedy()) == "fixed"
 
 
