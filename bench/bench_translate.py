@@ -6,16 +6,18 @@ when the model says so, a batch that runs until its slowest row is done. This sc
 translates one file with a trained workdir, in our decoder and in CTranslate2 (the
 workdir exported by `python -m seq2seq.export ctranslate2`, run by the peer's own
 interpreter through peer_ct2_translate.py), and reports seconds, new tokens per second and
-BLEU against the reference, and beside each of our rows the ceiling its decode step's
-matmuls put on tokens/s (`matmul_ceiling`: those matmuls alone, timed in the same run):
+BLEU against the reference, and beside each of our rows the ceiling the matmuls put on its
+tokens/s (`matmuls`: the file's source tokens through the encoder's matmuls and its target
+tokens through a decode step's, one per sentence and step, those matmuls alone timed in the
+same run; `matmul_ceiling` in the JSON):
 
     python bench/bench_translate.py --workdir runs/bible \\
         --source $D/test.en --reference $D/test.fr \\
         --peer_python /work/venvs/ct2/bin/python            # ~5 min for 1,007 verses
 
 Ours: `translate_nbest` (what decode.py runs) at each `--dtypes`, `--batch_size` sentences
-at a time, with `--batching`: auto (the default, decode.py's: slots for greedy, fixed
-batches for beam search), slots (decode slots that refill: `useful` is the share of
+at a time, with `--batching`: auto (the default, decode.py's: `translate.resolve_batching`),
+slots (decode slots that refill: `useful` is the share of
 slot-steps that made a token of a returned translation) and/or fixed (batches each run
 until their slowest sentence ends); with slots and fixed, the line after the table says on
 how many sentences they agree. The first pass compiles (its time is reported
@@ -88,35 +90,53 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
   return row
 
 
-def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30) -> dict:
-  """The ceiling the decode step's matmuls put on our tokens/s, measured now: one step's
-  dense products for `sources` sentences of `beam` rows each (Q, K, V; the attention
-  output; the cross-attention query and output; the FFN; per decoder layer, then the
-  output head), through the kernels' own `dense`, compiled as the decode loop is. Each
-  sentence gains at most one token per step, so `sources` / (the step's matmul time) is
-  what any loop built on these matmuls can reach, with attention and all else free."""
+def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30,
+                   encoder_rows: int = 256) -> dict:
+  """The ceiling the matmuls put on our tokens/s, measured now: one decode step's dense
+  products for `sources` sentences of `beam` rows each (Q, K, V; the attention output; the
+  cross-attention query and output; the FFN; per decoder layer, then the output head), and
+  the encoder's for `encoder_rows` source tokens (per encoder layer Q, K, V, output, FFN;
+  then every decoder layer's cross-attention keys and values), each through the kernels'
+  own `dense`, compiled as the decode loop is. Each sentence gains at most one token per
+  step, so `sources` / (the step's matmul time) is what any loop built on these matmuls
+  can reach with attention and all else free (`tokens_per_sec`); `file_ceiling` adds the
+  encoder's time for a file's source tokens."""
   import jax
   import jax.numpy as jnp
   from seq2seq import kernels
-  ops, c = kernels.get(model_cfg.kernels), model_cfg
-  d, f, rows = c.d_model, c.d_ff, sources * beam
-  shapes = [(d, 3 * d), (d, d), (d, d), (d, d), (d, f), (f, d)] * c.num_decoder_layers
-  key = iter(jax.random.split(jax.random.key(0), len(shapes) + 2))
-  weights = [jax.random.normal(next(key), s, jnp.float32).astype(c.dtype) * s[0] ** -0.5
-             for s in shapes + [(d, c.vocab_size)]]
-  x = jax.random.normal(next(key), (rows, d), jnp.float32)
-
-  def step(y, weights):
-    for w in weights:    # each product feeds the next, so they run one after another
-      k = w.shape[0]
-      x = y[:, :k] if y.shape[1] >= k else jnp.tile(y, (1, -(-k // y.shape[1])))[:, :k]
-      y = ops.dense(x, [(w, None)], c.dtype)[0]
-    return y
-  options = ops.decode_compiler_options(c) or None
   from bench_train import timed_calls
-  seconds = statistics.median(timed_calls(jax.jit(step, compiler_options=options), x,
-                                          weights, repeats=repeats))
-  return dict(rows=rows, step_s=seconds, tokens_per_sec=sources / seconds)
+  ops, c = kernels.get(model_cfg.kernels), model_cfg
+  d, f = c.d_model, c.d_ff
+  options = ops.decode_compiler_options(c) or None
+  key = iter(jax.random.split(jax.random.key(0), 64))
+
+  def chain_seconds(rows: int, shapes) -> float:
+    weights = [jax.random.normal(next(key), s, jnp.float32).astype(c.dtype) * s[0] ** -0.5
+               for s in shapes]
+    x = jax.random.normal(next(key), (rows, d), jnp.float32)
+
+    def step(y, weights):
+      for w in weights:    # each product feeds the next, so they run one after another
+        k = w.shape[0]
+        x = y[:, :k] if y.shape[1] >= k else jnp.tile(y, (1, -(-k // y.shape[1])))[:, :k]
+        y = ops.dense(x, [(w, None)], c.dtype)[0]
+      return y
+    return statistics.median(timed_calls(jax.jit(step, compiler_options=options), x,
+                                         weights, repeats=repeats))
+  step_s = chain_seconds(sources * beam, [(d, 3 * d), (d, d), (d, d), (d, d), (d, f), (f, d)]
+                         * c.num_decoder_layers + [(d, c.vocab_size)])
+  encoder_s = chain_seconds(encoder_rows, [(d, 3 * d), (d, d), (d, f), (f, d)]
+                            * c.num_encoder_layers + [(d, 2 * d)] * c.num_decoder_layers)
+  return dict(rows=sources * beam, step_s=step_s, tokens_per_sec=sources / step_s,
+              encoder_rows=encoder_rows, encoder_s_per_token=encoder_s / encoder_rows)
+
+
+def file_ceiling(ceiling: dict, sources: int, source_tokens: int, target_tokens: int) -> float:
+  """Tokens/s the matmuls allow for a whole file: its target tokens at one per sentence and
+  step (`sources` sentences stepping together), plus its source tokens through the encoder."""
+  seconds = (target_tokens * ceiling["step_s"] / sources
+             + source_tokens * ceiling["encoder_s_per_token"])
+  return target_tokens / seconds
 
 
 def run_peer(peer_python, model_dir, max_len, tok, sentences, compute_types, strategies,
@@ -162,9 +182,8 @@ def main(argv=None):
   ap.add_argument("--strategies", default="greedy,beam4",
                   help=f"of {', '.join(STRATEGIES)} (beam4_*: our other beam stop rules)")
   ap.add_argument("--dtypes", default="float32,bfloat16", help="ours")
-  ap.add_argument("--batching", default="auto", help="ours: auto (what decode.py runs: slots "
-                  "for greedy, fixed for beam search), slots (decode slots that refill) and/or "
-                  "fixed (fixed batches)")
+  ap.add_argument("--batching", default="auto", help="ours: auto (what decode.py runs), slots "
+                  "(decode slots that refill) and/or fixed (fixed batches)")
   ap.add_argument("--compute_types", default="float32,int8", help="CTranslate2's")
   ap.add_argument("--batch_size", type=int, default=64, help="sentences per batch")
   ap.add_argument("--repeats", type=int, default=2)
@@ -185,6 +204,9 @@ def main(argv=None):
                      f"{args.source} {len(sentences)}")
   strategies = args.strategies.split(",")
   cfg, params, tok = checkpoint.load_workdir(args.workdir)
+  from seq2seq.translate import encode_sources
+  source_tokens = sum(len(s) for s in encode_sources(tok, sentences, cfg.model.max_len)[0]
+                      if len(s) > 1)   # EOS included; empty lines are not decoded
   rows = []
   unknown = [s for s in strategies if s not in STRATEGIES]
   if unknown:
@@ -196,8 +218,10 @@ def main(argv=None):
       for batching in args.batching.split(","):
         rows.append(run_ours(model_cfg, decode_params, tok, sentences, s, args.batch_size,
                              args.repeats, batching))
-        ceiling = matmul_ceiling(model_cfg, min(args.batch_size, len(sentences)),
-                                 STRATEGIES[s][0])
+        sources = min(args.batch_size, len(sentences))
+        ceiling = matmul_ceiling(model_cfg, sources, STRATEGIES[s][0])
+        ceiling["file_tokens_per_sec"] = file_ceiling(ceiling, sources, source_tokens,
+                                                      rows[-1]["new_tokens"])
         rows[-1]["matmul_ceiling"] = ceiling
         print(f"ours {dtype} {s} {batching}: {statistics.median(rows[-1]['seconds']):.1f} s",
               flush=True)
@@ -228,7 +252,7 @@ def main(argv=None):
       r["bleu"] = metrics.bleu(r["hypotheses"], references)
     first = f"{r['first_pass_s']:6.1f}" if "first_pass_s" in r else f"{'':6}"
     useful = f"{r['useful']:6.1%}" if "useful" in r else f"{'':6}"
-    ceiling = r.get("matmul_ceiling", {}).get("tokens_per_sec")
+    ceiling = r.get("matmul_ceiling", {}).get("file_tokens_per_sec")
     print(f"{r['system']:12} {r['precision']:10} {r['strategy']:11} {r.get('batching', ''):8} "
           f"{r['median_s']:8.1f} {first} {r['tokens_per_sec']:9.0f} "
           f"{r.get('bleu', float('nan')):6.2f} {useful} "

@@ -161,7 +161,6 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
   slots, k = state["limit"].shape[0], _beam(strategy)
   ring = state["carry"]["state"][0]["k"].shape[2]
   out_len = state["carry"]["alive_seq" if isinstance(strategy, Beam) else "seq"].shape[-1] - 1
-  per_iteration = 2 if isinstance(strategy, Beam) else 1
   if ops.decode_head is None:
     head = lambda y_NxD: model.apply(params, y_NxD, method=Transformer.output_head)
   else:
@@ -213,30 +212,26 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     return (waiting > 0) & (jnp.sum(st["carry"]["done"]) >= jnp.minimum(refill, waiting))
 
   def step(st):
-    """One search step of every slot (two for beam search: as beam_search, see there). The
-    self-attention cache is a ring (`Transformer.decode_step`'s `column`): every row writes
-    the same column, so the write is one in-place slice, whatever the rows' positions."""
+    """One search step of every slot. The self-attention cache is a ring
+    (`Transformer.decode_step`'s `column`): every row writes the same column, so the write
+    is one in-place slice, whatever the rows' positions."""
     cross_kv, src_valid = st["cross_kv"], st["src_valid"]
     common = dict(limits_B=st["limit"], eos_id=eos_id, pad_id=pad_id, min_len=min_len)
-    keys = jax.random.wrap_key_data(st["key"])
+    keys, column = jax.random.wrap_key_data(st["key"]), st["column"]
 
-    def one(c, column):
-      def tokens_to_logits(seq_NxL1, i_B, cache):
-        i_N = i_B if k == 1 else jnp.repeat(i_B, k)
-        tokens_Nx1 = jnp.take_along_axis(seq_NxL1, i_N[:, None], axis=1)
-        y_Nx1xD, cache = model.apply(params, tokens_Nx1, i_N, cache, cross_kv, src_valid,
-                                     True, column, method=Transformer.decode_step)
-        return head(y_Nx1xD[:, 0]), cache
-      if isinstance(strategy, Beam):
-        return beam_step(tokens_to_logits, c, beam=strategy,
-                         top_k_logsumexp=ops.top_k_logsumexp, **common)
-      return sample_step(tokens_to_logits, c, strategy=strategy, rng=keys, top_k=ops.top_k,
-                         argmax=ops.argmax, **common)
-
-    carry, column = st["carry"], st["column"]
-    for _ in range(per_iteration):
-      carry, column = one(carry, column), (column + 1) % ring
-    return dict(st, carry=carry, column=column)
+    def tokens_to_logits(seq_NxL1, i_B, cache):
+      i_N = i_B if k == 1 else jnp.repeat(i_B, k)
+      tokens_Nx1 = jnp.take_along_axis(seq_NxL1, i_N[:, None], axis=1)
+      y_Nx1xD, cache = model.apply(params, tokens_Nx1, i_N, cache, cross_kv, src_valid,
+                                   True, column, method=Transformer.decode_step)
+      return head(y_Nx1xD[:, 0]), cache
+    if isinstance(strategy, Beam):
+      carry = beam_step(tokens_to_logits, st["carry"], beam=strategy,
+                        top_k_logsumexp=ops.top_k_logsumexp, **common)
+    else:
+      carry = sample_step(tokens_to_logits, st["carry"], strategy=strategy, rng=keys,
+                          top_k=ops.top_k, argmax=ops.argmax, **common)
+    return dict(st, carry=carry, column=(column + 1) % ring)
 
   def finished(c):
     st, _, q, _ = c
@@ -245,7 +240,7 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     busy_width = jnp.max(jnp.where(done, 0, st["width"]))
     out = drained | ((narrow_to > 0) & (busy_width <= narrow_to))
     if ring < out_len:   # a busy slot would outgrow the ring: the host widens it
-      out |= jnp.max(jnp.where(done, 0, st["carry"]["i"])) > ring - per_iteration
+      out |= jnp.max(jnp.where(done, 0, st["carry"]["i"])) > ring - 1
     return out
 
   def body(c):
@@ -258,10 +253,9 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
              scores=jnp.zeros((size, n_best), jnp.float32),
              lengths=jnp.zeros((size, n_best), jnp.int32),
              source=jnp.full((size,), -1, jnp.int32), count=jnp.int32(0))
-  state, out, queue, n = lax.while_loop(lambda c: ~finished(c), body,
-                                        (state, out, queue, jnp.int32(0)))
+  state, out, queue, steps = lax.while_loop(lambda c: ~finished(c), body,
+                                            (state, out, queue, jnp.int32(0)))
   # The sentences that finished but still sit in their slots.
-  steps = n * per_iteration
   return state, queue, out, _results(strategy, state["carry"], pad_id), steps
 
 

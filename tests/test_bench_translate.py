@@ -9,6 +9,7 @@ import sys
 import pytest
 import sacrebleu
 
+from seq2seq import checkpoint, translate as tr
 from seq2seq.data import numbers
 
 pytest.importorskip("ctranslate2")
@@ -33,6 +34,7 @@ def test_translates_a_file_with_both_systems(default_run, tmp_path):
   from bench_train import cpu_name
   assert result["cpu"] == cpu_name() and result["cpu"] in p.stdout   # the CPU named
   rows = {(r["system"], r["strategy"]): r for r in result["rows"]}
+  cfg, _, tok = checkpoint.load_workdir(str(default_run[0]))
   assert set(rows) == {(s, t) for s in ("seq2seq", "ctranslate2") for t in ("greedy", "beam4")}
   references = ref.read_text().splitlines()
   for (system, strategy), r in rows.items():
@@ -46,5 +48,14 @@ def test_translates_a_file_with_both_systems(default_run, tmp_path):
       assert ceiling["rows"] == 32 * (4 if strategy == "beam4" else 1)
       assert ceiling["step_s"] > 0
       assert ceiling["tokens_per_sec"] == pytest.approx(32 / ceiling["step_s"])
+      # ... and the file's: its target tokens at 32 per step plus its source tokens
+      # through the encoder's matmuls (the ids both engines read, EOS included)
+      src_ids = tr.encode_sources(tok, src.read_text().splitlines(), cfg.model.max_len)[0]
+      src_tokens = sum(map(len, src_ids))
+      seconds = (r["new_tokens"] * ceiling["step_s"] / 32
+                 + src_tokens * ceiling["encoder_s_per_token"])
+      assert ceiling["encoder_s_per_token"] > 0
+      assert ceiling["file_tokens_per_sec"] == pytest.approx(r["new_tokens"] / seconds)
+      assert ceiling["file_tokens_per_sec"] < ceiling["tokens_per_sec"]
   ours = (hyps / "seq2seq.float32.greedy.txt").read_text()
   assert (hyps / "ctranslate2.float32.greedy.txt").read_text() == ours
