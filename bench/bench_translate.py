@@ -86,7 +86,7 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
              seconds=seconds[1:],
              new_tokens=out.num_tokens, hypotheses=[t[0] for t in out.texts])
   if batching == "slots":   # the share of slot-steps that made a token of a best hypothesis
-    row.update(useful=stats.useful, loop_returns=stats.runs)
+    row.update(useful=stats.useful, busy=stats.busy, loop_returns=stats.runs)
   return row
 
 

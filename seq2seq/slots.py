@@ -54,17 +54,26 @@ __all__ = ["decode_stream", "StreamStats"]
 
 @dataclasses.dataclass
 class StreamStats:
-  """What `decode_stream` calls spent: loop steps, slot-steps (steps × slots), the tokens of
-  the returned best hypotheses (EOS included) and the loop's returns to the host. `useful`
-  = tokens / slot_steps: the share of slot-steps that produced a token the caller gets."""
+  """What `decode_stream` calls spent: loop steps, slot-steps (steps × slots), those of
+  slots that held a sentence still searching (`busy_slot_steps`), the tokens of the
+  returned best hypotheses (EOS included) and the loop's returns to the host. `useful` =
+  tokens / slot_steps: the share of slot-steps that produced a token the caller gets;
+  `busy`: the share that stepped a sentence (the rest: free slots waiting for a refill or
+  with no source left). Beam search's busy steps beyond its tokens are the search for
+  hypotheses better than the one returned (its stop rule)."""
   steps: int = 0
   slot_steps: int = 0
+  busy_slot_steps: int = 0
   tokens: int = 0
   runs: int = 0
 
   @property
   def useful(self) -> float:
     return self.tokens / max(self.slot_steps, 1)
+
+  @property
+  def busy(self) -> float:
+    return self.busy_slot_steps / max(self.slot_steps, 1)
 
 
 def _beam(strategy) -> int:
@@ -155,7 +164,8 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
   queue: dict of src [Q, S], limit [Q], key [Q, 2], source [Q] (ids), width [Q], count
   (how many entries are real) and taken (how many were taken before). Returns (state,
   queue with `taken` updated, out: the results of the sentences that finished and whose
-  slots were refilled, with their source ids, and how many).
+  slots were refilled, with their source ids, and how many; the results of the slots;
+  steps: the loop's steps and busy slot-steps).
   """
   model, ops = Transformer(cfg), kernels.get(cfg.kernels)
   slots, k = state["limit"].shape[0], _beam(strategy)
@@ -244,17 +254,19 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
     return out
 
   def body(c):
-    st, out, q, n = c
+    st, out, q, steps = c
     st, out, q = lax.while_loop(must_fill, lambda c: insert(*c), (st, out, q))
-    return step(st), out, q, n + 1
+    busy = jnp.sum(~st["carry"]["done"], dtype=jnp.int32)
+    return step(st), out, q, dict(steps=steps["steps"] + 1, busy=steps["busy"] + busy)
 
   size, n_best = queue["src"].shape[0] + refill, getattr(strategy, "n_best", 1)
   out = dict(tokens=jnp.zeros((size, n_best, out_len), jnp.int32),
              scores=jnp.zeros((size, n_best), jnp.float32),
              lengths=jnp.zeros((size, n_best), jnp.int32),
              source=jnp.full((size,), -1, jnp.int32), count=jnp.int32(0))
+  steps = dict(steps=jnp.int32(0), busy=jnp.int32(0))    # loop steps; busy slot-steps
   state, out, queue, steps = lax.while_loop(lambda c: ~finished(c), body,
-                                            (state, out, queue, jnp.int32(0)))
+                                            (state, out, queue, steps))
   # The sentences that finished but still sit in their slots.
   return state, queue, out, _results(strategy, state["carry"], pad_id), steps
 
@@ -384,8 +396,9 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
       results[j] = r
       stats.tokens += int(r[2][0])
     stats.runs += 1
-    stats.steps += int(steps)
-    stats.slot_steps += int(steps) * slots
+    stats.steps += int(steps["steps"])
+    stats.slot_steps += int(steps["steps"]) * slots
+    stats.busy_slot_steps += int(steps["busy"])
     if progress is not None and ids:
       progress(len(ids))
     busy = ~done & (source >= 0)

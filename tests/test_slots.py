@@ -74,6 +74,9 @@ def test_stream_decodes_each_source_as_decode_does(params, sources, eos, strateg
   # 3, one narrowing from width 32 to 16).
   assert stats.tokens == want.lengths[:, 0].sum()
   assert stats.runs >= 4 and stats.slot_steps == 4 * stats.steps
+  # A greedy sentence is busy one step per token; beam search searches on past its best.
+  assert stats.tokens <= stats.busy_slot_steps < stats.slot_steps
+  assert (stats.busy_slot_steps == stats.tokens) == isinstance(strategy, Greedy)
 
 
 def test_sampling_does_not_depend_on_the_other_sentences(params, sources, eos):
