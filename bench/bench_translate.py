@@ -9,7 +9,8 @@ interpreter through peer_ct2_translate.py), and reports seconds, new tokens per 
 BLEU against the reference, and beside each of our rows the ceiling the matmuls put on its
 tokens/s (`matmuls`: the file's source tokens through the encoder's matmuls and its target
 tokens through a decode step's, one per sentence and step, those matmuls alone timed in the
-same run; `matmul_ceiling` in the JSON):
+same run; `+attn`: with a step's attention too, at the file's mean lengths; `matmul_ceiling`
+in the JSON):
 
     python bench/bench_translate.py --workdir runs/bible \\
         --source $D/test.en --reference $D/test.fr \\
@@ -131,10 +132,41 @@ def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30,
               encoder_rows=encoder_rows, encoder_s_per_token=encoder_s / encoder_rows)
 
 
-def file_ceiling(ceiling: dict, sources: int, source_tokens: int, target_tokens: int) -> float:
-  """Tokens/s the matmuls allow for a whole file: its target tokens at one per sentence and
-  step (`sources` sentences stepping together), plus its source tokens through the encoder."""
-  seconds = (target_tokens * ceiling["step_s"] / sources
+def attention_seconds(model_cfg, sources: int, beam: int, self_keys: int, cross_keys: int,
+                      repeats: int = 30) -> float:
+  """One decode step's attention alone, measured now: per decoder layer the kernels' own
+  attention of `sources` sentences of `beam` rows, one query each, over `self_keys` cached
+  keys, then over `cross_keys` encoder keys (one copy per sentence), every key visible,
+  keys and values stored as the decode loop stores them (`cache_dtype`)."""
+  import jax
+  import jax.numpy as jnp
+  from seq2seq import kernels
+  from bench_train import timed_calls
+  ops, c = kernels.get(model_cfg.kernels), model_cfg
+  store, rows, h, dh = ops.cache_dtype(c), sources * beam, c.num_heads, c.head_dim
+  key = iter(jax.random.split(jax.random.key(1), 4 * c.num_decoder_layers + 1))
+  kv = lambda n, length: ops.cache_store(  # noqa: E731
+      jax.random.normal(next(key), (n, h, length, dh), jnp.float32).astype(c.dtype), store)
+  caches = [(kv(rows, self_keys), kv(rows, self_keys), kv(sources, cross_keys),
+             kv(sources, cross_keys)) for _ in range(c.num_decoder_layers)]
+  q = jax.random.normal(next(key), (rows, h, 1, dh), jnp.float32).astype(c.dtype)
+
+  def step(q, caches):
+    for k, v, ck, cv in caches:   # each attention's output is the next one's query
+      q = ops.attention(q, k, v, jnp.ones((rows, 1, 1, self_keys), bool)).astype(c.dtype)
+      q = ops.attention(q, ck, cv, jnp.ones((sources, 1, 1, cross_keys), bool)).astype(c.dtype)
+    return q
+  options = ops.decode_compiler_options(c) or None
+  return statistics.median(timed_calls(jax.jit(step, compiler_options=options), q, caches,
+                                       repeats=repeats))
+
+
+def file_ceiling(ceiling: dict, sources: int, source_tokens: int, target_tokens: int,
+                 attention_s: float = 0.0) -> float:
+  """Tokens/s the matmuls (and, given one step's `attention_s`, the attention) allow for a
+  whole file: its target tokens at one per sentence and step (`sources` sentences stepping
+  together), plus its source tokens through the encoder."""
+  seconds = (target_tokens * (ceiling["step_s"] + attention_s) / sources
              + source_tokens * ceiling["encoder_s_per_token"])
   return target_tokens / seconds
 
@@ -205,8 +237,8 @@ def main(argv=None):
   strategies = args.strategies.split(",")
   cfg, params, tok = checkpoint.load_workdir(args.workdir)
   from seq2seq.translate import encode_sources
-  source_tokens = sum(len(s) for s in encode_sources(tok, sentences, cfg.model.max_len)[0]
-                      if len(s) > 1)   # EOS included; empty lines are not decoded
+  source_lengths = [len(s) for s in encode_sources(tok, sentences, cfg.model.max_len)[0]]
+  source_tokens = sum(n for n in source_lengths if n > 1)  # EOS included; empty: not decoded
   rows = []
   unknown = [s for s in strategies if s not in STRATEGIES]
   if unknown:
@@ -218,10 +250,19 @@ def main(argv=None):
       for batching in args.batching.split(","):
         rows.append(run_ours(model_cfg, decode_params, tok, sentences, s, args.batch_size,
                              args.repeats, batching))
-        sources = min(args.batch_size, len(sentences))
-        ceiling = matmul_ceiling(model_cfg, sources, STRATEGIES[s][0])
-        ceiling["file_tokens_per_sec"] = file_ceiling(ceiling, sources, source_tokens,
-                                                      rows[-1]["new_tokens"])
+        sources, beam, tokens = (min(args.batch_size, len(sentences)), STRATEGIES[s][0],
+                                 rows[-1]["new_tokens"])
+        ceiling = matmul_ceiling(model_cfg, sources, beam)
+        ceiling["file_tokens_per_sec"] = file_ceiling(ceiling, sources, source_tokens, tokens)
+        # ... and with the attention of a step at the file's mean lengths: half its mean
+        # translation cached, its mean source
+        decoded = len([n for n in source_lengths if n > 1])
+        ceiling["attention_keys"] = (max(1, round(tokens / decoded / 2)),
+                                     max(1, round(source_tokens / decoded)))
+        ceiling["attention_step_s"] = attention_seconds(model_cfg, sources, beam,
+                                                        *ceiling["attention_keys"])
+        ceiling["file_with_attention_tokens_per_sec"] = file_ceiling(
+            ceiling, sources, source_tokens, tokens, ceiling["attention_step_s"])
         rows[-1]["matmul_ceiling"] = ceiling
         print(f"ours {dtype} {s} {batching}: {statistics.median(rows[-1]['seconds']):.1f} s",
               flush=True)
@@ -241,7 +282,7 @@ def main(argv=None):
   print(f"\n{len(sentences)} sentences of {args.source}, batch {args.batch_size}; "
         f"{cpu}; CTranslate2 {version}")
   print(f"{'system':12} {'precision':10} {'strategy':11} {'batching':8} {'seconds':>8} "
-        f"{'first':>6} {'tokens/s':>9} {'BLEU':>6} {'useful':>6} {'matmuls':>8}")
+        f"{'first':>6} {'tokens/s':>9} {'BLEU':>6} {'useful':>6} {'matmuls':>8} {'+attn':>7}")
   for r in rows:
     if "error" in r:
       print(f"{r['system']:12} {r['precision']:10} refused: {r['error']}")
@@ -252,11 +293,12 @@ def main(argv=None):
       r["bleu"] = metrics.bleu(r["hypotheses"], references)
     first = f"{r['first_pass_s']:6.1f}" if "first_pass_s" in r else f"{'':6}"
     useful = f"{r['useful']:6.1%}" if "useful" in r else f"{'':6}"
-    ceiling = r.get("matmul_ceiling", {}).get("file_tokens_per_sec")
+    ceiling = r.get("matmul_ceiling", {})
+    ceilings = (f"{ceiling['file_tokens_per_sec']:8.0f} "
+                f"{ceiling['file_with_attention_tokens_per_sec']:7.0f}" if ceiling else "")
     print(f"{r['system']:12} {r['precision']:10} {r['strategy']:11} {r.get('batching', ''):8} "
           f"{r['median_s']:8.1f} {first} {r['tokens_per_sec']:9.0f} "
-          f"{r.get('bleu', float('nan')):6.2f} {useful} "
-          + (f"{ceiling:8.0f}" if ceiling else ""))
+          f"{r.get('bleu', float('nan')):6.2f} {useful} " + ceilings)
   # Our two batchings translate alike (greedy and beam search: the same search per sentence).
   by_key = collections.defaultdict(dict)
   for r in rows:

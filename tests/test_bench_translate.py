@@ -57,5 +57,12 @@ def test_translates_a_file_with_both_systems(default_run, tmp_path):
       assert ceiling["encoder_s_per_token"] > 0
       assert ceiling["file_tokens_per_sec"] == pytest.approx(r["new_tokens"] / seconds)
       assert ceiling["file_tokens_per_sec"] < ceiling["tokens_per_sec"]
+      # ... and with a step's attention at the file's mean lengths
+      sentences = len(src_ids)
+      assert ceiling["attention_keys"] == [round(r["new_tokens"] / sentences / 2),
+                                           round(src_tokens / sentences)]
+      seconds += r["new_tokens"] * ceiling["attention_step_s"] / 32
+      assert ceiling["file_with_attention_tokens_per_sec"] == pytest.approx(
+          r["new_tokens"] / seconds)
   ours = (hyps / "seq2seq.float32.greedy.txt").read_text()
   assert (hyps / "ctranslate2.float32.greedy.txt").read_text() == ours

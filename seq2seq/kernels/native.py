@@ -29,6 +29,7 @@ import jaxlib
 from seq2seq import compile_cache
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode_attention.cc", "top_k.cc"))
+HEADERS = (Path(__file__).with_name("fast_exp.h"),)
 TARGET = "seq2seq_decode_attention"
 TARGET_ROWS = "seq2seq_decode_attention_rows"   # the same, each key read from its own row
 TARGET_TOP_K = "seq2seq_top_k_logsumexp"
@@ -66,7 +67,7 @@ def build(where: Path | None = None) -> Path:
     raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
   where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
   flags = (*FLAGS, f"-march={os.environ.get('SEQ2SEQ_NATIVE_MARCH') or 'native'}")
-  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cxx, *flags,
+  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES + HEADERS), cxx, *flags,
                                   jax.__version__, jaxlib.__version__,
                                   _cpu_flags()]).encode()).hexdigest()[:16]
   lib = where / f"seq2seq_kernels-{key}.so"
