@@ -382,7 +382,7 @@ def ct2_table(rows: list[dict]) -> str:
 # Real text (bench_translate.py: a trained workdir translating a file, ours beside
 # CTranslate2 in the same run): our float32 against its float32 and our fastest against its
 # fastest, greedy at this multiple, beam search at that; and the share of our slot-steps that
-# produce a token.
+# step a sentence still searching (greedy: each makes a token of its translation).
 TEXT_GOALS, USEFUL_GOAL = {"greedy": 1.3, "beam4": 1.0}, 0.9
 
 
@@ -420,6 +420,7 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
           ct2_best=tb["tokens_per_sec"], ct2_best_type=tb["precision"],
           best_ratio=ob["tokens_per_sec"] / tb["tokens_per_sec"],
           useful=min((r["useful"] for r in o.values() if "useful" in r), default=None),
+          busy=min((r["busy"] for r in o.values() if "busy" in r), default=None),
           first_pass_s=max((r["first_pass_s"] for r in o.values()), default=None),
           bleu_ours=ob.get("bleu"), bleu_ct2=tb.get("bleu")))
   return out
@@ -429,12 +430,16 @@ def translate_table(rows: list[dict]) -> str:
   if not rows:
     return "Real text: no file translated by both engines."
   lines = ["| real text (bench_translate.py) | ours f32 | CT2 float32 | x | goal | ours fastest"
-           " | CT2 fastest | x | goal | useful (≥ 90%) | first pass s | BLEU ours / CT2 |",
+           " | CT2 fastest | x | goal | busy (≥ 90%) | first pass s | BLEU ours / CT2 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     f32 = "-" if r["f32_ratio"] is None else f"{r['f32_ratio']:.2f}"
-    useful = ("-" if r["useful"] is None
-              else f"{r['useful']:.1%} {_verdict(r['useful'], USEFUL_GOAL)}")
+    # Judged on the slot-steps that stepped a sentence still searching (`busy`, where the
+    # run recorded it): beam search's steps past its returned hypothesis are its stop rule's.
+    judged = r["useful"] if r.get("busy") is None else r["busy"]
+    useful = ("-" if judged is None else f"{judged:.1%} {_verdict(judged, USEFUL_GOAL)}"
+              + (f" (tokens {r['useful']:.1%})" if r.get("busy") not in (None, r["useful"])
+                 else ""))
     bleu = ("-" if r["bleu_ours"] is None else
             f"{r['bleu_ours']:.2f} / {r['bleu_ct2']:.2f}")
     lines.append(

@@ -474,6 +474,13 @@ def test_real_text_table_puts_decode_py_beside_ct2(tmp_path):
     goal = scorecard.TEXT_GOALS[r["strategy"]]
     assert cells[4].endswith("met" if r["f32_ratio"] >= goal else "MISSED"), line
     assert cells[8].endswith("met" if r["best_ratio"] >= goal else "MISSED"), line
+  # A run that recorded busy slot-steps is judged on them (beam search's steps past its
+  # returned hypothesis are its stop rule's), its tokens' share beside.
+  beam = dict(next(r for r in rows if r["strategy"] == "beam4"), useful=0.88, busy=0.96)
+  cell = scorecard.translate_table([beam]).splitlines()[-1].split("|")[10].strip()
+  assert cell == "96.0% met (tokens 88.0%)"
+  cell = scorecard.translate_table([dict(beam, busy=0.89)]).splitlines()[-1].split("|")[10]
+  assert cell.strip() == "89.0% MISSED (tokens 88.0%)"
   # the CLI: the table in scorecard.md and real_text in scorecard.json
   d = _results_dir(tmp_path)
   (tmp_path / "t.json").write_text(json.dumps(res))
