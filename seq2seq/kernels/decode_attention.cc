@@ -15,7 +15,8 @@
 //   out   f32  [B, H, Q, D]   softmax(q.k^T) v over the allowed keys; 0 where none is
 //
 // Each (b, h) is one task; tasks are shared between the calling thread and XLA's intra-op
-// thread pool through an atomic counter, so the caller never waits on a task nobody runs.
+// thread pool through an atomic counter, a few at a time, so the caller never waits on a
+// task nobody runs.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -105,20 +106,26 @@ template <typename T>
 ffi::Error run(ffi::ThreadPool pool, const float* q, const T* k, const T* v, const bool* mask,
                const int32_t* key_rows, float* out, int64_t rows, Shape s) {
   const int64_t tasks = rows * s.heads;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks - 1);
+  // Tasks taken a few at a time: one counter update per task costs more than a small
+  // model's task (two cores contending for the counter's cache line).
+  const int64_t grain = std::max<int64_t>(1, tasks / (8 * (helpers + 1)));
   auto state = std::make_shared<Tasks>();
   auto work = [=](Tasks* t) {
     std::vector<float> scores(s.queries * s.keys);
-    for (int64_t i; (i = t->next.fetch_add(1)) < tasks;) {
-      const int64_t b = i / s.heads;
-      const bool* m = mask + (s.mask_rows == 1 ? 0 : b) * s.mask_queries * s.keys;
-      const KeyAt at{key_rows ? key_rows + b * s.keys : nullptr, b, i % s.heads, s.heads,
-                     s.keys, s.dim, rows};
-      attend_row<T>(s, q + i * s.queries * s.dim, k, v, m, at, out + i * s.queries * s.dim,
-                    scores);
-      t->done.fetch_add(1);
+    for (int64_t start; (start = t->next.fetch_add(grain)) < tasks;) {
+      const int64_t end = std::min(tasks, start + grain);
+      for (int64_t i = start; i < end; ++i) {
+        const int64_t b = i / s.heads;
+        const bool* m = mask + (s.mask_rows == 1 ? 0 : b) * s.mask_queries * s.keys;
+        const KeyAt at{key_rows ? key_rows + b * s.keys : nullptr, b, i % s.heads, s.heads,
+                       s.keys, s.dim, rows};
+        attend_row<T>(s, q + i * s.queries * s.dim, k, v, m, at,
+                      out + i * s.queries * s.dim, scores);
+      }
+      t->done.fetch_add(end - start);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state, work] { work(state.get()); });
   work(state.get());
   while (state->done.load() < tasks) {   // the last tasks taken by helpers: microseconds
