@@ -9,7 +9,8 @@ cross-attention keys and values are written there, and its step count starts aga
 The self-attention cache needs no clearing: it is a ring that every slot writes at the same
 column each step, and a slot attends only to the columns it has written since it started
 (`Transformer.decode_step`'s `column`). For beam search a slot is one sentence's `size`
-beams.
+beams; where the kernels read keys through a table of rows (`kernels.beam_rows`) the cache
+stays in place and only the table follows the beams (search._reorder_beams).
 
     one compiled loop, per source width:
       ┌─▶ fill: while `refill` slots are free and sources wait, the finished ones'
