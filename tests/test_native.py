@@ -47,6 +47,7 @@ def _inputs(rng, b, h, q_len, k_len, d, mask_shape, dtype):
     (6, 4, 1, 37, 64, (6, 1, 37)),       # a decode step: one query per row, own keys
     (3, 2, 4, 19, 16, (3, 4, 19)),       # beams of one source: 4 queries per key row
     (5, 3, 2, 11, 32, (1, 2, 11)),       # one mask for every row
+    (61, 4, 1, 9, 16, (61, 1, 9)),       # 244 tasks: taken several at a time, a short last
 ])
 @pytest.mark.parametrize("with_rows", [False, True])
 def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape, with_rows):

@@ -106,7 +106,8 @@ template <typename T>
 ffi::Error run(ffi::ThreadPool pool, const float* q, const T* k, const T* v, const bool* mask,
                const int32_t* key_rows, float* out, int64_t rows, Shape s) {
   const int64_t tasks = rows * s.heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks - 1);
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(),
+                                                                  tasks - 1));
   // Tasks taken a few at a time: one counter update per task costs more than a small
   // model's task (two cores contending for the counter's cache line).
   const int64_t grain = std::max<int64_t>(1, tasks / (8 * (helpers + 1)));
