@@ -92,6 +92,16 @@ def run_ours(model_cfg, params, tok, sentences, strategy_name, batch_size, repea
   return row
 
 
+def _loop_seconds(model_cfg, fn, *args, repeats: int) -> float:
+  """Median seconds of `fn(*args)`, jitted with the decode loop's compiler options."""
+  import jax
+  from seq2seq import kernels
+  from bench_train import timed_calls
+  options = kernels.get(model_cfg.kernels).decode_compiler_options(model_cfg) or None
+  return statistics.median(timed_calls(jax.jit(fn, compiler_options=options), *args,
+                                       repeats=repeats))
+
+
 def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30,
                    encoder_rows: int = 256) -> dict:
   """The ceiling the matmuls put on our tokens/s, measured now: one decode step's dense
@@ -106,10 +116,8 @@ def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30,
   import jax
   import jax.numpy as jnp
   from seq2seq import kernels
-  from bench_train import timed_calls
   ops, c = kernels.get(model_cfg.kernels), model_cfg
   d, f = c.d_model, c.d_ff
-  options = ops.decode_compiler_options(c) or None
   key = iter(jax.random.split(jax.random.key(0), 64))
 
   def chain_seconds(rows: int, shapes) -> float:
@@ -123,8 +131,7 @@ def matmul_ceiling(model_cfg, sources: int, beam: int, repeats: int = 30,
         x = y[:, :k] if y.shape[1] >= k else jnp.tile(y, (1, -(-k // y.shape[1])))[:, :k]
         y = ops.dense(x, [(w, None)], c.dtype)[0]
       return y
-    return statistics.median(timed_calls(jax.jit(step, compiler_options=options), x,
-                                         weights, repeats=repeats))
+    return _loop_seconds(c, step, x, weights, repeats=repeats)
   step_s = chain_seconds(sources * beam, [(d, 3 * d), (d, d), (d, d), (d, d), (d, f), (f, d)]
                          * c.num_decoder_layers + [(d, c.vocab_size)])
   encoder_s = chain_seconds(encoder_rows, [(d, 3 * d), (d, d), (d, f), (f, d)]
@@ -142,7 +149,6 @@ def attention_seconds(model_cfg, sources: int, beam: int, self_keys: int, cross_
   import jax
   import jax.numpy as jnp
   from seq2seq import kernels
-  from bench_train import timed_calls
   ops, c = kernels.get(model_cfg.kernels), model_cfg
   store, rows, h, dh = ops.cache_dtype(c), sources * beam, c.num_heads, c.head_dim
   key = iter(jax.random.split(jax.random.key(1), 4 * c.num_decoder_layers + 1))
@@ -157,9 +163,7 @@ def attention_seconds(model_cfg, sources: int, beam: int, self_keys: int, cross_
       q = ops.attention(q, k, v, jnp.ones((rows, 1, 1, self_keys), bool)).astype(c.dtype)
       q = ops.attention(q, ck, cv, jnp.ones((sources, 1, 1, cross_keys), bool)).astype(c.dtype)
     return q
-  options = ops.decode_compiler_options(c) or None
-  return statistics.median(timed_calls(jax.jit(step, compiler_options=options), q, caches,
-                                       repeats=repeats))
+  return _loop_seconds(c, step, q, caches, repeats=repeats)
 
 
 def file_ceiling(ceiling: dict, sources: int, source_tokens: int, target_tokens: int,
@@ -239,7 +243,8 @@ def main(argv=None):
   cfg, params, tok = checkpoint.load_workdir(args.workdir)
   from seq2seq.translate import encode_sources
   source_lengths = [len(s) for s in encode_sources(tok, sentences, cfg.model.max_len)[0]]
-  source_tokens = sum(n for n in source_lengths if n > 1)  # EOS included; empty: not decoded
+  decoded = [n for n in source_lengths if n > 1]   # EOS included; empty lines: not decoded
+  source_tokens = sum(decoded)
   rows = []
   unknown = [s for s in strategies if s not in STRATEGIES]
   if unknown:
@@ -257,9 +262,8 @@ def main(argv=None):
         ceiling["file_tokens_per_sec"] = file_ceiling(ceiling, sources, source_tokens, tokens)
         # ... and with the attention of a step at the file's mean lengths: half its mean
         # translation cached, its mean source
-        decoded = len([n for n in source_lengths if n > 1])
-        ceiling["attention_keys"] = (max(1, round(tokens / decoded / 2)),
-                                     max(1, round(source_tokens / decoded)))
+        ceiling["attention_keys"] = (max(1, round(tokens / len(decoded) / 2)),
+                                     max(1, round(source_tokens / len(decoded))))
         ceiling["attention_step_s"] = attention_seconds(model_cfg, sources, beam,
                                                         *ceiling["attention_keys"])
         ceiling["file_with_attention_tokens_per_sec"] = file_ceiling(
