@@ -276,7 +276,7 @@ def main(argv=None) -> int:
   import absl.logging  # Orbax logs through absl: keep its chatter out of the way
   absl.logging.set_verbosity(absl.logging.ERROR)
   from seq2seq import compile_cache, textio, translate
-  from seq2seq.checkpoint import load_workdir
+  from seq2seq.load import load_workdir
   from seq2seq.data import sources
   compile_cache.enable()
   from seq2seq.errors import UserError, one_line_warnings

@@ -233,14 +233,15 @@ def main(argv=None):
   ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "translate.json"))
   args = ap.parse_args(argv)
   from bench_train import cpu_name
-  from seq2seq import checkpoint, decoding, metrics
+  from seq2seq import decoding, metrics
+  from seq2seq.load import load_workdir
   sentences = _lines(args.source)
   references = _lines(args.reference) if args.reference else None
   if references is not None and len(references) != len(sentences):
     raise SystemExit(f"{args.reference} has {len(references)} lines, "
                      f"{args.source} {len(sentences)}")
   strategies = args.strategies.split(",")
-  cfg, params, tok = checkpoint.load_workdir(args.workdir)
+  cfg, params, tok = load_workdir(args.workdir)
   from seq2seq.translate import encode_sources
   source_lengths = [len(s) for s in encode_sources(tok, sentences, cfg.model.max_len)[0]]
   decoded = [n for n in source_lengths if n > 1]   # EOS included; empty lines: not decoded

@@ -305,7 +305,7 @@ for r in val_rows:
 
 # %%
 from num2words import num2words
-from seq2seq.checkpoint import load_workdir
+from seq2seq.load import load_workdir
 from seq2seq.search import Beam, Greedy
 from seq2seq.translate import translate
 

@@ -148,7 +148,7 @@ print(f"seq2seq {seq2seq.__version__}, JAX {jax.__version__}: {jax.device_count(
 
 # %%
 from seq2seq import train_lib
-from seq2seq.checkpoint import load_workdir
+from seq2seq.load import load_workdir
 from seq2seq.config import get_experiment, override
 from seq2seq.errors import UserError
 from seq2seq.model import Transformer

@@ -26,7 +26,7 @@ from seq2seq.config import Config
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir, refuse_url
 
-# Importable from here as before they moved (and `load_workdir`, see __getattr__ below).
+# Importable from here as before they moved.
 from seq2seq.checksums import checksums  # noqa: E402,F401
 from seq2seq.workdir import UNREADABLE_DIR, read_config, write_config  # noqa: E402,F401
 
@@ -314,15 +314,6 @@ def main(argv=None) -> int:
     return 2
   print(f"averaged steps {', '.join(map(str, steps))} into {args.output}")
   return 0
-
-
-def __getattr__(name):
-  """`seq2seq.checkpoint.load_workdir`, as before it moved to load.py (which reads through
-  this module, so it is imported on first use, not above)."""
-  if name == "load_workdir":
-    from seq2seq.load import load_workdir
-    return load_workdir
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

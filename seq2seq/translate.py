@@ -1,6 +1,6 @@
 """Strings in, strings out: the translation API over `slots.decode_stream`.
 
-    cfg, params, tokenizer = load_workdir("runs/default")     # seq2seq.checkpoint
+    cfg, params, tokenizer = load_workdir("runs/default")     # seq2seq.load
     translate(params, cfg.model, tokenizer, ["twelve", "forty-two"], Beam())
 
 `translate` gives the best translation of each sentence; `translate_nbest` every hypothesis

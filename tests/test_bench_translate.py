@@ -9,8 +9,9 @@ import sys
 import pytest
 import sacrebleu
 
-from seq2seq import checkpoint, translate as tr
+from seq2seq import translate as tr
 from seq2seq.data import numbers
+from seq2seq.load import load_workdir
 
 pytest.importorskip("ctranslate2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +35,7 @@ def test_translates_a_file_with_both_systems(default_run, tmp_path):
   from bench_train import cpu_name
   assert result["cpu"] == cpu_name() and result["cpu"] in p.stdout   # the CPU named
   rows = {(r["system"], r["strategy"]): r for r in result["rows"]}
-  cfg, _, tok = checkpoint.load_workdir(str(default_run[0]))
+  cfg, _, tok = load_workdir(str(default_run[0]))
   assert set(rows) == {(s, t) for s in ("seq2seq", "ctranslate2") for t in ("greedy", "beam4")}
   references = ref.read_text().splitlines()
   for (system, strategy), r in rows.items():

@@ -26,7 +26,8 @@ import decode as decode_script  # noqa: E402
 from seq2seq import translate  # noqa: E402
 from seq2seq.errors import UserError  # noqa: E402
 from seq2seq.search import Beam, Greedy, Sample  # noqa: E402
-from seq2seq.checkpoint import Checkpoints, load_workdir  # noqa: E402
+from seq2seq.checkpoint import Checkpoints  # noqa: E402
+from seq2seq.load import load_workdir  # noqa: E402
 from conftest import TEST_XLA_FLAGS  # noqa: E402
 
 MAX_LEN = 64
@@ -663,7 +664,7 @@ def test_load_workdir_prints_nothing_and_leaves_logging_alone(workdir):
   """The Python API in a fresh interpreter: loading prints nothing (Orbax's routine
   warnings are filtered while it loads), and the program's own absl warnings still show."""
   code = ("import logging, sys\n"
-          "from seq2seq.checkpoint import load_workdir\n"
+          "from seq2seq.load import load_workdir\n"
           "load_workdir(sys.argv[1])\n"
           "logging.getLogger('absl').warning('the program speaks')\n")
   env = dict(os.environ)

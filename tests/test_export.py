@@ -32,6 +32,7 @@ from seq2seq.config import get_experiment  # noqa: E402
 from seq2seq.data import numbers  # noqa: E402
 from seq2seq.data.testing import sentence_pairs  # noqa: E402
 from seq2seq.data.tokenizer import BOS_ID, EOS_ID, Tokenizer  # noqa: E402
+from seq2seq.load import load_workdir  # noqa: E402
 from seq2seq.model import Transformer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,7 +254,7 @@ def trained(default_run, tmp_path_factory):
 def test_trained_model_translates_held_out_numbers_like_ours(trained):
   from seq2seq.search import Beam, Greedy
   from seq2seq.translate import translate, translate_nbest
-  cfg, params, tok = ckpt_lib.load_workdir(trained / "w")
+  cfg, params, tok = load_workdir(trained / "w")
   test = numbers.split_numbers()["test"]
   sentences = [numbers.number_words(int(n), "en") for n in test]
   references = [numbers.number_words(int(n), "fr") for n in test]

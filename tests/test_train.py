@@ -24,6 +24,7 @@ import train as train_script  # noqa: E402
 from seq2seq import checkpoint as ckpt_lib  # noqa: E402
 from seq2seq import state as state_lib  # noqa: E402
 from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
+from seq2seq.load import load_workdir  # noqa: E402
 from seq2seq.state import abstract_state  # noqa: E402
 from conftest import TEST_XLA_FLAGS  # noqa: E402
 
@@ -71,7 +72,7 @@ def run_train(args, env_extra=None, timeout=240, check=True):
 
 
 def params_of(workdir, step=None):
-  _, params, _ = ckpt_lib.load_workdir(workdir, step)
+  _, params, _ = load_workdir(workdir, step)
   return jax.tree_util.tree_map(np.asarray, params)
 
 
@@ -124,7 +125,7 @@ def test_run_writes_a_complete_workdir(trained):
   assert {"bleu", "chrf", "exact_match", "loss", "nll", "perplexity", "accuracy"} <= set(test_row)
   assert test_row["perplexity"] == pytest.approx(np.exp(test_row["nll"]))
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
-  cfg, params, tok = ckpt_lib.load_workdir(workdir)
+  cfg, params, tok = load_workdir(workdir)
   assert cfg.model.d_model == 32 and cfg.model.vocab_size == tok.vocab_size
 
 
@@ -205,7 +206,7 @@ def test_sigterm_and_ctrl_c_save_and_exit_cleanly(corpus, trained, tmp_path, sig
   at = int(said[0].split(" at step ")[1].split(":")[0])
   steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
   assert steps[-1] == at and 0 < at < 100000   # saved at the step the signal came in
-  cfg, params, _ = ckpt_lib.load_workdir(workdir)  # the saved state reads back
+  cfg, params, _ = load_workdir(workdir)  # the saved state reads back
 
 
 def test_broken_latest_checkpoint_falls_back_with_warning(trained, tmp_path):

@@ -21,7 +21,7 @@
         the events inside them (summed over threads: XLA compiles on several), with how
         many times each ran.
     python bench/gpu/checks.py checkpoints WORKDIR
-        Every checkpoint of WORKDIR restored (`checkpoint.load_workdir`, which checks each
+        Every checkpoint of WORKDIR restored (`load.load_workdir`, which checks each
         array's checksum): its step and a SHA-256 of its parameters, or the error.
 """
 from __future__ import annotations
@@ -199,11 +199,12 @@ def checkpoints(workdir: str) -> dict:
   import jax
   import numpy as np
   from seq2seq import checkpoint as ckpt_lib
+  from seq2seq.load import load_workdir
   steps = ckpt_lib.Checkpoints(workdir, read_only=True).steps()
   loaded = {}
   for step in steps:
     try:
-      _, params, _ = ckpt_lib.load_workdir(workdir, step)
+      _, params, _ = load_workdir(workdir, step)
       h = hashlib.sha256()
       for leaf in jax.tree_util.tree_leaves(params):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
