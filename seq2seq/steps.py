@@ -15,6 +15,7 @@ from seq2seq import kernels
 from seq2seq import sharding as shd
 from seq2seq.config import Config
 from seq2seq.errors import UserError
+from seq2seq.kernels import accelerator
 from seq2seq.losses import accuracy, cross_entropy, shift_right
 from seq2seq.model import Transformer, head_weights
 from seq2seq.state import TrainState, as_float32, init_state, optimizer
@@ -155,6 +156,24 @@ class Trainer:
     """Parameters on this host's first device (for decoding outside the mesh)."""
     rep = jax.jit(lambda p: p, out_shardings=shd.replicated(self.mesh))(state.params)
     return jax.tree_util.tree_map(lambda x: x.addressable_data(0), rep)
+
+
+def redo_without_cudnn(trainer: Trainer, state: TrainState, batch: dict, m: dict) -> tuple:
+  """The net under cuDNN's attention. If the step that made `state` and its metrics `m`
+  had a non-finite loss or gradient (so left the parameters as they were) and its attention
+  ran on cuDNN, those forms move to XLA's attention and the step is redone on the same
+  batch with a new trainer. Returns (trainer, state, m, a line saying so or None)."""
+  if not accelerator.training_on_cudnn() or int(m["first_bad_step"]) == NO_STEP:
+    return trainer, state, m, None
+  step = int(m["first_bad_step"])
+  forms = accelerator.move_training_to_xla(f"a train step with it was non-finite (step {step})")
+  trainer = Trainer(trainer.cfg, trainer.mesh, trainer.bos_id)
+  state, m = trainer.step(state.replace(step=state.step - 1), batch)
+  shapes = ", ".join(f"{q}x{k}" for *_, q, k, _ in forms)
+  again = ("; still non-finite with XLA's" if int(m["first_bad_step"]) < NO_STEP else "")
+  return trainer, state, m, (f"step {step}: non-finite loss or gradient with cuDNN's "
+                             f"attention (query x key lengths {shapes}): moved to XLA's "
+                             f"attention and redid the step{again}")
 
 
 def check_runnable(cfg: Config) -> None:

@@ -27,16 +27,16 @@ from seq2seq.kernels import malloc
 from seq2seq.lock import WorkdirLock, WorkdirLocked
 from seq2seq.state import schedule
 from seq2seq.steps import (NO_STEP, Trainer, accumulate, check_runnable,
-                           raise_if_out_of_memory)
+                           raise_if_out_of_memory, redo_without_cudnn)
 from seq2seq.workdir import Workdir
 
 # Importable from here as before the steps and the workdir's preparation moved.
 from seq2seq.losses import shift_right  # noqa: E402,F401
 from seq2seq.state import TrainState, init_state, optimizer  # noqa: E402,F401
-from seq2seq.steps import NO_STEP as _NO_STEP  # noqa: E402,F401
-from seq2seq.steps import eval_step, loss_and_metrics, train_step  # noqa: E402,F401
+from seq2seq.steps import NO_STEP as _NO_STEP, eval_step, loss_and_metrics, train_step  # noqa
 from seq2seq.workdir import prepare_workdir  # noqa: E402,F401
 
+CUDNN_WATCH_STEPS = 50   # steps checked as they end while on cuDNN (redo_without_cudnn)
 _DEBUG_SIGKILL_AT = int(os.environ.get("SEQ2SEQ_DEBUG_SIGKILL_AT_STEP", "-1"))
 
 
@@ -62,6 +62,13 @@ def _is_main() -> bool:
 def _print(*a, **kw):
   if _is_main():
     print(*a, **kw, file=sys.stderr, flush=True)
+
+
+def _say(bar, line: str) -> None:   # on standard error, above the progress bar if any
+  if bar is None:
+    return _print(line)
+  bar.set_description("")
+  bar.write(line, file=sys.stderr)
 
 
 def resolve_config(workdir: Workdir | str | os.PathLike, name: str | None = None,
@@ -252,19 +259,18 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
     bar.set_description("compiling")   # the first step traces and compiles the program
   try:
     while step < tc.steps:
-      local = next(batches)
-      state, m = trainer.step(state, trainer.global_batch(local))
+      batch = trainer.global_batch(next(batches))
+      state, m = trainer.step(state, batch)
       step += 1
+      if step - start <= CUDNN_WATCH_STEPS:   # the net under cuDNN's attention
+        trainer, state, m, said = redo_without_cudnn(trainer, state, batch, m)
+        if said:
+          _say(bar, said)
       if step == start + 1:      # compiled: give the compiler's memory back (tuned malloc
         jax.block_until_ready(m)   # keeps what is freed, see seq2seq.malloc)
         malloc.release_freed_memory()
-        line = (f"first step in {time.time() - t_first:.1f} s (tracing and compiling the "
-                f"train step, or loading it from the compile cache)")
-        if bar is not None:
-          bar.set_description("")
-          bar.write(line, file=sys.stderr)
-        else:
-          _print(line)
+        _say(bar, f"first step in {time.time() - t_first:.1f} s (tracing and compiling the "
+                  f"train step, or loading it from the compile cache)")
       if prev_m is not None:
         # Wait for the previous step: one step queued keeps the device busy, while running
         # further ahead holds more steps' buffers (+0.6 GB, and slower, on the Bible run).
@@ -278,7 +284,7 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
         host = {k: float(v) for k, v in acc.items()}
         if host["first_bad_update"] < NO_STEP:
           bad = int(host["first_bad_update"])
-          what = (f"non-finite loss at step {bad}" if host["first_bad_step"] == bad else
+          what = (f"non-finite loss or gradient at step {bad}" if host["first_bad_step"] == bad else
                   f"non-finite parameters after the update of step {bad}")
           raise NonFiniteLoss(f"{what}: stopped; no checkpoint was written after it (lower "
                               f"the learning rate?)")

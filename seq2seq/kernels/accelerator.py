@@ -5,11 +5,19 @@ the choice is made per form of call (dtype, heads, head size, query and key leng
 mask form), once per process:
 
   cudnn  cuDNN's fused (flash) attention, on an NVIDIA GPU, for bf16/fp16 inputs whose head
-         size is a multiple of 8 (at most 256), when a probe of that form (small batch,
-         random inputs) compiled, ran and matched XLA's attention: relative difference
-         under 2% in the output, and in dq, dk, dv for a call that is differentiated.
-         The boolean mask goes in as an additive bias broadcast to [B or 1, 1, Q, K].
+         size is a multiple of 8 (at most 256), when a probe of that form (its own query and
+         key lengths, a small batch of random inputs with padding and packed rows) compiled,
+         ran and matched XLA's attention: relative difference under 2% in the output, and in
+         dq, dk, dv for a call that is differentiated. The boolean mask goes in as an
+         additive bias broadcast to [B or 1, 1, Q, K].
   xla    XLA's attention: everywhere else, and wherever the probe raised or disagreed.
+
+No implementation is given a query with no allowed key (a padding position): such a row
+may attend to every key instead (`open_empty_rows`). Nothing reads its output, and a fused
+kernel never meets a softmax over nothing (cuDNN's backward returns NaN for such rows at
+lengths of 64 mod 128 on H100s: its logsumexp of about -1e12 overflows the padded half of
+the last key tile). If a train step with cuDNN's attention still turns out non-finite, the
+training loop moves its forms to XLA (`move_training_to_xla`) and redoes the step.
 
 A call that is differentiated uses cuDNN only if the probe's backward passed too; its
 plain forward (decoding, evaluation) may use cuDNN when only the forward passed
@@ -38,6 +46,13 @@ MAX_HEAD_DIM = 256
 
 # signature -> {"forward": (ok, reason), "train": (ok, reason)}
 _VERDICTS: dict = {}
+# What `_call` runs for each implementation name: jax.nn.dot_product_attention's own.
+IMPLEMENTATIONS = {
+    "xla": lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                                              implementation="xla"),
+    "cudnn": lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                                                implementation="cudnn"),
+}
 
 
 def requested() -> str:
@@ -80,34 +95,61 @@ def _bias_mask(mask, q_len: int, k_len: int):
   return jnp.broadcast_to(mask, (mask.shape[0], 1, q_len, k_len))
 
 
+def open_empty_rows(mask):
+  """`mask` with every query that may attend to no key allowed to attend to all of them."""
+  if mask is None:
+    return None
+  return mask | ~jnp.any(mask, axis=-1, keepdims=True)
+
+
 def _call(implementation: str, q, k, v, mask):
-  """jax.nn.dot_product_attention on [B, L, H, D] inputs."""
+  """`implementation`'s attention on [B, L, H, D] inputs."""
   if implementation == "cudnn":
     mask = _bias_mask(mask, q.shape[1], k.shape[1])
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+  return IMPLEMENTATIONS[implementation](q, k, v, mask)
 
 
 def _signature(q, k, mask) -> tuple:
   b, q_len, h, d = q.shape
-  k_len = k.shape[1]
   mask_batch = None if mask is None else ("1" if mask.shape[0] == 1 else "B")
-  length = lambda n: n if n <= 2 else f"{'even' if n % 2 == 0 else 'odd'}>2"
-  return (jnp.dtype(q.dtype).name, h, d, length(q_len), length(k_len), mask_batch)
+  return (jnp.dtype(q.dtype).name, h, d, q_len, k.shape[1], mask_batch)
+
+
+def _probe_mask(rows: int, q_len: int, k_len: int, rng) -> np.ndarray:
+  """[rows, 1, Q, K] masks of the forms the model makes at these lengths, before
+  `open_empty_rows`: each row's tokens packed as examples with padding after them (real
+  queries see the real keys of their own example; causal too where Q == K, in every other
+  row), padding queries see nothing, and the last of 3+ rows is all padding."""
+  m = np.zeros((rows, 1, q_len, k_len), bool)
+  for r in range(rows - (rows > 2)):
+    q_seg, k_seg = (np.zeros(n, int) for n in (q_len, k_len))
+    for seg, n in ((q_seg, q_len), (k_seg, k_len)):
+      used = max(1, int(n * rng.uniform(0.5, 0.9)))   # a packed row's fill
+      cut = max(1, used // 2)
+      seg[:cut], seg[cut:used] = 1, 2
+    m[r, 0] = (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] > 0)
+    if q_len == k_len and r % 2:
+      m[r, 0] &= np.tri(q_len, dtype=bool)
+  return m
 
 
 def _probe_inputs(q, k, mask, seed: int = 0):
-  """Random inputs of the same form as (q, k, mask), at most 2 rows."""
-  b = min(q.shape[0], 2)
+  """Random inputs of the same form as (q, k, mask): its lengths, head size and dtype, a
+  batch of 3 rows (1 for a mask shared by every row), masks as `_probe_mask` makes them,
+  opened as every call's are."""
   rng = np.random.default_rng(seed)
+  b = 3 if mask is not None and mask.shape[0] > 1 else 1
   dtype = q.dtype
   qs = jnp.asarray(rng.normal(size=(b,) + q.shape[1:]), dtype)
   ks, vs = (jnp.asarray(rng.normal(size=(b,) + k.shape[1:]), dtype) for _ in range(2))
   ms = None
   if mask is not None:
     q_len, k_len = mask.shape[2], k.shape[1]
-    m = rng.random((1 if mask.shape[0] == 1 else b, 1, q_len, k_len)) < 0.8
-    m[..., 0] = True                       # every query may attend to something
-    ms = jnp.asarray(m)
+    if mask.shape[0] == 1:     # shared by every row: the causal mask (or none)
+      m = np.tri(q_len, k_len, k_len - q_len, dtype=bool)[None, None]
+    else:
+      m = _probe_mask(b, q_len, k_len, rng)
+    ms = open_empty_rows(jnp.asarray(m))
   g = jnp.asarray(rng.normal(size=qs.shape), dtype)
   return qs, ks, vs, ms, g
 
@@ -161,6 +203,21 @@ def choose(q_BxQxHxD, k_BxKxHxD, mask=None) -> tuple[str, str]:
   return ("cudnn" if v["forward"][0] else "xla"), ("cudnn" if v["train"][0] else "xla")
 
 
+def training_on_cudnn() -> list[tuple]:
+  """The forms whose differentiated calls this process gave cuDNN (auto only)."""
+  return [key for key, v in _VERDICTS.items() if v["train"][0]] if requested() == "auto" \
+      else []
+
+
+def move_training_to_xla(reason: str) -> list[tuple]:
+  """Every form whose differentiated calls took cuDNN takes XLA's attention from the next
+  trace on (its plain forward keeps its choice); returns those forms."""
+  moved = training_on_cudnn()
+  for key in moved:
+    _VERDICTS[key] = dict(_VERDICTS[key], train=(False, reason))
+  return moved
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _split(forward: str, train: str, q, k, v, mask):
   """`forward`'s attention; differentiated, `train`'s forward and backward."""
@@ -182,14 +239,16 @@ _split.defvjp(_split_fwd, _split_bwd)
 def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float = 0.0,
               dropout_rng=None):
   """`attention.dot_product_attention` through jax.nn (no dropout there: with attention
-  dropout in training, the reference answers). A query with no allowed key gets the mean
-  of the values here, not zeros: only padding queries are such, and nothing reads them."""
+  dropout in training, the reference answers). A query with no allowed key attends to
+  every key here (`open_empty_rows`), not to none: only padding queries are such, and
+  nothing reads them."""
   if dropout_rate > 0.0 and dropout_rng is not None:
     return dot_product_attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask,
                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   to_BxLxHxD = lambda x: x.swapaxes(1, 2)
   q = to_BxLxHxD(q_BxHxQxD)
   k, v = (to_BxLxHxD(x).astype(q.dtype) for x in (k_BxHxKxD, v_BxHxKxD))
+  mask = open_empty_rows(mask)
   forward, train = choose(q, k, mask)
   if forward == train:
     y_BxQxHxD = _call(forward, q, k, v, mask)

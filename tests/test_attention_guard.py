@@ -1,0 +1,199 @@
+"""What keeps a fused attention kernel from killing a run: no call on the accelerator path
+gets a query with no allowed key, the probe tries each form at its own lengths with padding
+rows and its backward, and a train step that still turns non-finite on cuDNN is redone on
+XLA's attention. cuDNN is emulated on any machine by an implementation made to fail as the
+real one was seen to (NaN gradients for queries with no allowed key at lengths of 64 mod
+128, on an H100)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import seq2seq
+from seq2seq import kernels, model as model_lib
+from seq2seq.config import Config, DataConfig, TrainConfig
+from seq2seq.data import testing as data_testing
+from seq2seq.kernels import accelerator as acc
+
+
+def _xla(q, k, v, mask):
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def _nan_where(bad_BxQ, x_BxQxHxD):
+  return jnp.where(bad_BxQ[:, :, None, None], jnp.nan, x_BxQxHxD).astype(x_BxQxHxD.dtype)
+
+
+def _failing_cudnn(fails):
+  """XLA's attention whose dq is NaN for the query rows `fails(q, mask)` -> [B, Q] names."""
+  @jax.custom_vjp
+  def attend(q, k, v, mask):
+    return _xla(q, k, v, mask)
+
+  def fwd(q, k, v, mask):
+    y, vjp = jax.vjp(lambda q, k, v: _xla(q, k, v, mask), q, k, v)
+    return y, (vjp, fails(q, mask))
+
+  def bwd(res, g):
+    vjp, bad_BxQ = res
+    dq, dk, dv = vjp(g)
+    return _nan_where(bad_BxQ, dq), dk, dv, None
+  attend.defvjp(fwd, bwd)
+  return attend
+
+
+def _as_seen_on_h100(q, mask):
+  """The reported failure: queries with no allowed key (a padding position), when the
+  key length is 64 mod 128."""
+  empty_BxQ = ~jnp.any(jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], mask.shape[-1])),
+                       axis=-1)[:, 0]
+  return empty_BxQ & (mask.shape[-1] % 128 == 64)
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+  """Makes `fails` the rows cuDNN's dq gets wrong, and lets cuDNN take any input."""
+  monkeypatch.setattr(acc, "_VERDICTS", {})
+  monkeypatch.setattr(acc, "unqualified", lambda q, mask=None: None)
+  monkeypatch.delenv(acc.ENV, raising=False)
+
+  def install(fails):
+    monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _failing_cudnn(fails))
+  return install
+
+
+def _packed_batch(B=4, L=64, seed=0):
+  """A batch as the packing pipeline makes them: rows of 1-3 examples, then padding; the
+  last row empty (an evaluation batch's tail)."""
+  rng = np.random.default_rng(seed)
+  b = {k: np.zeros((B, L), np.int32) for k in ("src", "tgt", "src_segments", "tgt_segments",
+                                               "src_positions", "tgt_positions")}
+  for r in range(B - 1):
+    for side in ("src", "tgt"):
+      at = 0
+      for seg in range(1, rng.integers(1, 4) + 1):
+        n = int(rng.integers(3, 18))
+        b[side][r, at:at + n] = rng.integers(4, 29, n)
+        b[f"{side}_segments"][r, at:at + n] = seg
+        b[f"{side}_positions"][r, at:at + n] = np.arange(n)
+        at += n
+  return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def _cfg(dtype="bfloat16"):
+  mc = seq2seq.get_config("tiny", vocab_size=29).replace(
+      dropout_rate=0.0, kernels="accelerator", dtype=dtype, d_model=32, num_heads=2,
+      d_ff=64, max_len=64)
+  return Config(model=mc, train=TrainConfig(warmup_steps=5, batch_size=4, seq_len=64))
+
+
+def test_no_attention_call_gets_a_query_with_no_allowed_key(monkeypatch):
+  """The masks the implementation receives on the model's packed, padded rows: every query
+  may attend to some key, and real queries to exactly the keys the model's mask allows."""
+  seen = []
+
+  def recording(q, k, v, mask):
+    seen.append(np.asarray(mask))
+    return _xla(q, k, v, mask)
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "xla", recording)
+  monkeypatch.setenv(acc.ENV, "xla")
+  cfg, batch = _cfg("float32"), _packed_batch()
+  params = model_lib.Transformer(cfg.model).init(jax.random.key(0), batch["src"], batch["tgt"])
+  seen.clear()
+  model_lib.Transformer(cfg.model).apply(
+      params, batch["src"], batch["tgt"], batch["src_segments"], batch["tgt_segments"],
+      batch["src_positions"], batch["tgt_positions"])
+  enc = np.asarray(model_lib.encoder_mask(batch["src"], batch["src_segments"]))
+  assert (~enc.any(-1)).sum() > 64, "the batch has padding queries"
+  assert len(seen) == 2 * 2 + 2 and all(m.any(-1).all() for m in seen)
+  real = enc.any(-1, keepdims=True)
+  np.testing.assert_array_equal(np.broadcast_to(seen[0], enc.shape) & real, enc)
+
+
+def test_the_fake_fails_as_reported_and_the_model_never_meets_it(fake_cudnn):
+  """Called as the model called it before (a query row with no allowed key, length 64),
+  the emulated cuDNN gives NaN gradients; the model's train step on packed rows of 64
+  through the accelerator path, cuDNN chosen, has a finite loss and gradients equal to
+  XLA's attention's."""
+  fake_cudnn(_as_seen_on_h100)
+  cfg, batch = _cfg(), _packed_batch()
+  mask = model_lib.encoder_mask(batch["src"], batch["src_segments"])
+  q = jnp.ones((4, 64, 2, 16), jnp.bfloat16)
+  dq = jax.grad(lambda q: acc.IMPLEMENTATIONS["cudnn"](q, q, q, mask).astype(
+      jnp.float32).sum())(q)
+  assert np.isnan(np.asarray(dq, np.float32)).any()
+
+  params = model_lib.Transformer(cfg.model).init(jax.random.key(0), batch["src"], batch["tgt"])
+  from seq2seq.steps import loss_and_metrics
+  grad = jax.jit(jax.grad(lambda p: loss_and_metrics(cfg, p, batch, 1, train=True)[0]))
+  g_cudnn = grad(params["params"])
+  assert all(v["train"]["ok"] for v in acc.verdicts()), acc.verdicts()
+  leaves = jax.tree_util.tree_leaves(g_cudnn)
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv(acc.ENV, "xla")
+    g_xla = jax.jit(jax.grad(lambda p: loss_and_metrics(cfg, p, batch, 1, train=True)[0]))(
+        params["params"])
+  for a, b in zip(leaves, jax.tree_util.tree_leaves(g_xla)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_probe_tries_each_form_at_its_own_lengths_with_padding_rows(fake_cudnn):
+  """A cuDNN that fails only at lengths of 64 mod 128 is refused at 64 and 192 and taken at
+  16 and 128 (one probe per length, not per parity); the probe's masks hold padding
+  queries (opened), packed examples and an empty row, as the model's do."""
+  fake_cudnn(lambda q, mask: jnp.broadcast_to(mask.shape[-1] % 128 == 64, q.shape[:2]))
+  for length, ok in ((16, True), (64, False), (128, True), (192, False)):
+    x = jnp.ones((8, length, 2, 16), jnp.bfloat16)
+    mask = jnp.ones((8, 1, length, length), bool)
+    assert acc.choose(x, x, mask)[1] == ("cudnn" if ok else "xla"), length
+  assert len(acc.verdicts()) == 4
+  rng = np.random.default_rng(0)
+  m = acc._probe_mask(3, 64, 64, rng)
+  empty = ~m.any(-1)[:, 0]                                   # [rows, Q]
+  assert empty[:2].any(1).all() and empty[:2].sum(1).max() < 64 and empty[2].all()
+  assert len(np.unique(m[0, 0], axis=0)) >= 3                # two examples and padding
+  assert not m[1, 0][np.triu_indices(64, 1)].any()           # the causal row
+  _, _, _, ms, _ = acc._probe_inputs(jnp.ones((8, 64, 2, 16)), jnp.ones((8, 64, 2, 16)),
+                                     jnp.ones((8, 1, 64, 64), bool))
+  assert np.asarray(ms).any(-1).all()
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus(root):
+  pairs = data_testing.sentence_pairs(120, seed=3)
+  return data_testing.write_tsv(f"{root}/train.tsv", pairs)
+
+
+def _train(tmp_path, name, steps=4):
+  from seq2seq import train_lib
+  cfg = _cfg()
+  cfg = cfg.replace(
+      data=DataConfig(dataset="parallel_text", train_files=_corpus(str(tmp_path)),
+                      data_dir=str(tmp_path / "tfds"), vocab_size=300, max_src_len=32,
+                      max_tgt_len=32),
+      train=cfg.train.replace(steps=steps, log_every=2, checkpoint_every=steps,
+                              eval_every=1000, num_eval_examples=4, eval_batch_size=4))
+  result = train_lib.train(cfg, tmp_path / name, progress=False)
+  from seq2seq.load import load_workdir
+  return result, load_workdir(tmp_path / name)[1]
+
+
+def test_a_step_non_finite_on_cudnn_is_redone_on_xla(fake_cudnn, tmp_path, capsys):
+  """A cuDNN whose probe passes (3 rows) but whose gradients are NaN on the run's batches
+  (4 rows): the run says so in one line, moves to XLA's attention, redoes the step and
+  ends with the parameters of a run on XLA's attention from the start."""
+  fake_cudnn(lambda q, mask: jnp.broadcast_to(q.shape[0] > 3, q.shape[:2]))
+  netted, params = _train(tmp_path, "netted")
+  said = capsys.readouterr().err
+  assert said.count("non-finite loss or gradient with cuDNN's attention") == 1, said
+  assert "moved to XLA's attention and redid the step" in said
+  assert not acc.training_on_cudnn()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv(acc.ENV, "xla")
+    plain, want = _train(tmp_path, "xla")
+  assert netted.train_metrics["loss"] == plain.train_metrics["loss"]
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(a, b)
