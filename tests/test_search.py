@@ -260,6 +260,55 @@ def test_beam_stop_rules(case):
         math.log(p) / ((5 + len(tokens)) / 6) ** alpha, abs=1e-5)
 
 
+V_EAGER = 12
+
+
+def eager_ends_logp(limit: int = 8):
+  """Next-token log-probs [limit + 1, V_EAGER, V_EAGER] by step and last token (BOS at step
+  0) of a peaked model: the likely hypothesis, A x 5 then EOS (p 0.95), is still growing
+  while unlikely ones end. A takes p 0.99, leaving the other beams to B, C and EOS, and
+  after B or C, EOS is likely; at the first step EOS (p 0.0008) ranks 4th, an empty
+  hypothesis. Every other token has p 1e-7."""
+  p = np.full((limit + 1, V_EAGER, V_EAGER), 1e-7)
+  p[:, :, PAD] = 1e-30
+  p[:, :, EOS], p[:, :, A] = 0.9, 0.05                  # after B or C
+  p[:, A, EOS], p[:, A, A] = 0.99, 0.005                # after the fifth A
+  for i in range(1, 5):
+    p[i, A, [A, B_, C, EOS]] = 0.99, 0.004, 0.003, 0.003
+  p[0, BOS, [A, B_, C, EOS]] = 0.9968, 0.0012, 0.0012, 0.0008
+  return np.log(p / p.sum(-1, keepdims=True))
+
+
+def eager_ends_best(logp, alpha: float):
+  """(score, tokens) of the best hypothesis under `logp` (eager_ends_logp), by brute force
+  over EOS, A, B and C: a hypothesis with any other token (p 1e-7) scores below -10."""
+  limit = logp.shape[0] - 1
+  (score, seq), = _brute_force_nbest(
+      lambda prefix: logp[len(prefix), ((BOS,) + prefix)[-1]], limit, alpha, 1)
+  assert score > math.log(1e-7) / ((5 + limit) / 6) ** alpha
+  return score, list(seq)
+
+
+def test_default_beam_outlasts_unlikely_early_ends():
+  """While the likely hypothesis grows, unlikely ones end (eager_ends_logp): "count" stops
+  once 4 have ended (the empty one among them) and returns one of those; the default stop
+  rule returns the best hypothesis, as brute force finds it."""
+  logp = eager_ends_logp()
+  L, table = logp.shape[0] - 1, jnp.asarray(logp, jnp.float32)
+  fn = lambda seq_NxL1, i, state: (table[i, lax_index(seq_NxL1, i)], state)
+  score, want = eager_ends_best(logp, Beam().alpha)
+  assert want == [A] * 5 + [EOS]
+  out = _run_beam(fn, Beam(), L, [L])
+  assert out.tokens[0, 0, :out.lengths[0, 0]].tolist() == want
+  assert out.scores[0, 0] == pytest.approx(score, abs=1e-5)
+  ends = _run_beam(fn, Beam(n_best=4, stop="count"), L, [L])
+  ended = [ends.tokens[0, k, :ends.lengths[0, k]].tolist() for k in range(4)]
+  assert [EOS] in ended and max(map(len, ended)) <= 3, ended   # 4 ended by the third step
+  count = _run_beam(fn, Beam(stop="count"), L, [L])
+  assert count.tokens[0, 0, :count.lengths[0, 0]].tolist() == ended[0] != want
+  assert count.scores[0, 0] < score - 4
+
+
 def test_per_row_steps_draw_from_their_own_keys():
   """`sample_step` with a step per row (the decode slots) and a key per row: each row's draw
   is fold_in(its key, its step); rows follow the filtered distribution."""

@@ -9,6 +9,7 @@ from seq2seq import decoding, kernels, slots
 from seq2seq.errors import UserError
 from seq2seq.search import Beam, Greedy, Sample
 from test_decoding import CFG, _random_params
+from test_search import EOS, V_EAGER, eager_ends_best, eager_ends_logp
 
 BOS = 1
 LENGTHS = (30, 3, 17, 9, 24, 2, 25, 12, 5, 28, 21, 7)
@@ -151,3 +152,59 @@ def test_bf16_slots_keep_the_cache_as_bits_and_decode_as_decode_does(params, sou
     np.testing.assert_array_equal(lengths, want.lengths[b])
     np.testing.assert_array_equal(tokens[0, :lengths[0]], want.tokens[b, 0, :lengths[0]])
     np.testing.assert_allclose(scores, want.scores[b], rtol=2e-3, atol=0.05)   # bf16 sums
+
+
+class _TableModel:
+  """Stands in for the Transformer in decoding.py and slots.py: next-token logits from
+  `logp` by step and last token, whatever the source; the caches pass through untouched."""
+  logp = None
+
+  def __init__(self, config):
+    self.config = config
+
+  def apply(self, variables, *args, method):
+    return method(self, *args)
+
+  def encode(self, src_BxS):
+    return src_BxS
+
+  def precompute_cross_kv(self, src_BxS):
+    c = self.config
+    kv = jax.numpy.zeros((src_BxS.shape[0], c.num_heads, src_BxS.shape[1], c.head_dim))
+    return tuple((kv, kv) for _ in range(c.num_decoder_layers))
+
+  def decode_step(self, tokens_Nx1, i, cache, cross_kv, src_valid, decode, column=None):
+    i_N = jax.numpy.broadcast_to(i, tokens_Nx1.shape[:1])
+    return jax.numpy.stack([i_N, tokens_Nx1[:, 0]], -1)[:, None], cache   # y: [N, 1, 2]
+
+  def output_head(self, y_Nx2):
+    return jax.numpy.asarray(self.logp, jax.numpy.float32)[y_Nx2[:, 0], y_Nx2[:, 1]]
+
+
+def test_default_beam_outlasts_unlikely_early_ends_in_both_loops(monkeypatch):
+  """test_search's model whose likely hypothesis grows while unlikely ones end (the empty
+  one at the first step), as a Transformer in both decode loops: with the default stop rule
+  (Beam(), decode.py's) each returns the best hypothesis for every source, while "count"
+  stops before it ends."""
+  logp = eager_ends_logp()
+  limit = logp.shape[0] - 1
+  score, want = eager_ends_best(logp, Beam().alpha)
+  monkeypatch.setattr(_TableModel, "logp", logp)
+  for module in (decoding, slots):
+    monkeypatch.setattr(module, "Transformer", _TableModel)
+  cfg = CFG.replace(vocab_size=V_EAGER, kernels="reference")   # its own compiled loops
+  params = _random_params(0, cfg)
+  sources = [[5, 3], [7, 8, 9, 3], [6, 3], [4, 4, 4, 3], [9, 3]]
+  for strategy in (Beam(), Beam(stop="count")):
+    fixed = decoding.decode(cfg, params, _batch(sources), strategy, bos_id=BOS, eos_id=EOS,
+                            max_len=limit)
+    streamed = slots.decode_stream(cfg, params, sources, strategy, bos_id=BOS, eos_id=EOS,
+                                   slots=2, refill=1, max_len=limit)
+    for b, (tokens, scores, lengths) in enumerate(streamed):
+      for got, got_score in ((tokens[0, :lengths[0]], scores[0]),
+                             (fixed.tokens[b, 0, :fixed.lengths[b, 0]], fixed.scores[b, 0])):
+        if strategy.stop == "count":
+          assert len(got) <= 3 and got_score < score - 4, got
+        else:
+          assert got.tolist() == want
+          assert got_score == pytest.approx(score, abs=1e-5)
