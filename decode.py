@@ -19,9 +19,9 @@ import sys
 import time
 
 EPILOG = """decoding strategy: beam search of 4 hypotheses with length penalty alpha 0.6 (the
-  paper's), a sentence ending once 4 hypotheses have (--beam_stop), unless --temperature,
-  --top_k or --top_p is given (sampling) or --beam_size 1 (greedy). Sampling options with
-  --beam_size above 1 are an error.
+  paper's), a sentence ending once no alive hypothesis can beat the best finished one
+  (--beam_stop), unless --temperature, --top_k or --top_p is given (sampling) or
+  --beam_size 1 (greedy). Sampling options with --beam_size above 1 are an error.
 input: the SENTENCE arguments, else the lines of --input FILE, else standard input (UTF-8).
   Sources are normalised as the run's were (lower-cased for the numbers task). An empty
   line gives an empty line; a line longer than the model's max_len tokens is truncated
@@ -55,10 +55,12 @@ def parse_args(argv):
   p.add_argument("--beam_size", type=int, default=None, help="default 4; 1 = greedy")
   p.add_argument("--alpha", type=float, default=None, help="beam length penalty (default 0.6)")
   p.add_argument("--beam_stop", default=None, choices=("exact", "best", "count"),
-                 help="when beam search ends a sentence: count (default: once beam_size "
-                 "hypotheses have ended, as fairseq and CTranslate2), exact (once no alive "
-                 "hypothesis can beat the best finished one: what the search would return "
-                 "at the length limit) or best (once the step's best extension ends it)")
+                 help="when beam search ends a sentence: exact (default: once no alive "
+                 "hypothesis can beat the best finished one, so it returns what the search "
+                 "would at the length limit), best (once the step's best extension ends it) "
+                 "or count (once beam_size hypotheses have ended, as fairseq and "
+                 "CTranslate2: faster, but unlikely hypotheses that end early can stop the "
+                 "search before the best one ends)")
   p.add_argument("--n_best", type=int, default=None, metavar="N",
                  help="print the N best hypotheses with their scores (beam search)")
   p.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
@@ -82,9 +84,11 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-# decode.py's beam stop rule: on the Bible validation verses "count" scored 18.33 BLEU against
-# "exact"'s 18.30 (within the split's noise) in 0.81x the time (docs/performance.md).
-BEAM_STOP = "count"
+# decode.py's beam stop rule: the search's own best. "count" (0.81x the time on the Bible
+# validation verses) stops once 4 hypotheses have ended, and where the model is sure of its
+# next token, unlikely extensions that end early fill the 4: on the numbers task 13 of 400
+# random numbers came out wrong with it, none with "exact" (docs/usage.md).
+BEAM_STOP = "exact"
 
 
 def strategy_from_flags(*, beam_size: int | None = None, alpha: float | None = None,

@@ -128,7 +128,7 @@ def test_default_is_beam_4_and_input_file_keeps_order_empty_lines_and_unseen_cha
   assert tok.unk_id not in tok.encode(UNSEEN)
   assert tok.decode(tok.encode(UNSEEN)) == UNSEEN
   want = translate.translate(params, cfg.model, tok, [l for l in lines if l.strip()],
-                            Beam(size=4, alpha=0.6, stop="count"))
+                            Beam(size=4, alpha=0.6, stop="exact"))
   assert [g for g, l in zip(got, lines) if l.strip()] == want
   assert "6/6" in err                                   # the progress bar
   assert "6 lines" in err and "tokens/s" in err
@@ -145,7 +145,7 @@ def test_nbest_prints_index_score_translation(workdir, model, capsys):
   assert [int(r[0]) for r in rows] == [0, 0, 0, 1, 2, 2, 2]
   assert rows[3][1:] == ["0.0000", ""]                  # the empty input: one line
   want = translate.translate_nbest(params, cfg.model, tok, sentences,
-                                  Beam(size=4, alpha=1.0, n_best=3, stop="count"))
+                                  Beam(size=4, alpha=1.0, n_best=3, stop="exact"))
   for i, group in ((0, rows[0:3]), (2, rows[4:7])):
     scores = [float(r[1]) for r in group]
     assert scores == sorted(scores, reverse=True)
@@ -539,9 +539,9 @@ def test_a_second_run_loads_the_compiled_decode_loop_from_the_disk_cache(workdir
 
 
 @pytest.mark.parametrize("flags, want", [
-    (dict(), Beam(4, 0.6, 1, "count")),
-    (dict(beam_size=8, alpha=1.0, n_best=3), Beam(8, 1.0, 3, "count")),
-    (dict(beam_stop="exact"), Beam(4, 0.6, 1, "exact")),
+    (dict(), Beam(4, 0.6, 1, "exact")),
+    (dict(beam_size=8, alpha=1.0, n_best=3), Beam(8, 1.0, 3, "exact")),
+    (dict(beam_stop="count"), Beam(4, 0.6, 1, "count")),
     (dict(beam_size=1), Greedy()),
     (dict(top_k=5), Sample(1.0, 5, 1.0)),
     (dict(temperature=0.7, top_p=0.9, beam_size=1), Sample(0.7, 0, 0.9)),
@@ -563,6 +563,12 @@ def test_strategy_from_flags(flags, want):
     assert "\n" not in str(e.value)
   else:
     assert decode_script.strategy_from_flags(**flags) == want
+
+
+def test_default_beam_search_is_beam_defaults():
+  """decode.py's default beam search is Beam()'s: the one test_search and test_slots check
+  against hypotheses that end early."""
+  assert decode_script.strategy_from_flags() == Beam() and Beam().stop == "exact"
 
 
 # --- a newcomer's first hour ----------------------------------------------------------------
