@@ -23,8 +23,8 @@ a returned translation, `busy` in the JSON the share that stepped a sentence sti
 searching) and/or fixed (batches each run until their slowest sentence ends); with slots
 and fixed, the line after the table says on how many sentences they agree. The first pass
 compiles (its time is reported apart), then `--repeats` passes, the median reported.
-`beam4_best` and `beam4_count` are our beam search with its other stop rules
-(search.Beam.stop). CTranslate2:
+`beam4` is our beam search with decode.py's stop rule (exact), `beam4_best` and
+`beam4_count` with the others (search.Beam.stop; count is CTranslate2's). CTranslate2:
 `translate_batch` with max_batch_size=batch_size, intra_threads=2, at each
 `--compute_types`, after one warm-up batch, median of `--repeats` passes. Beam search:
 size 4, length penalty 0.6 for both (CTranslate2 divides by length ** 0.6, we by GNMT's

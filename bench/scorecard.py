@@ -28,8 +28,9 @@ second table puts our cached decode beside CTranslate2's: our float32 against it
 (goal 1.3x) and our fastest precision against its fastest, int8 included (goal 1.0x).
 With --translate (bench_translate.py's JSON: a trained workdir translating a real file, ours
 beside CTranslate2 in the same run), a third table: float32 against float32 and fastest
-against fastest (greedy goal 1.3x, beam 4 goal 1.0x), the share of our slot-steps that
-produce a token (goal 90%), our first pass and both engines' BLEU.
+against fastest (greedy goal 1.3x, beam 4 goal 1.0x: ours with decode.py's stop rule,
+exact, and, where the run has beam4_count, with CTranslate2's, count), the share of our
+slot-steps that produce a token (goal 90%), our first pass and both engines' BLEU.
 Peers come from bench_peers_torch.py, run in its own venv (see its docstring): with
 --peers, each row also says whether ours, over the peer measured here, reaches the multiple
 of the reference peer figure that its target asks for ("x peer verdict"), a view that does
@@ -382,8 +383,11 @@ def ct2_table(rows: list[dict]) -> str:
 # Real text (bench_translate.py: a trained workdir translating a file, ours beside
 # CTranslate2 in the same run): our float32 against its float32 and our fastest against its
 # fastest, greedy at this multiple, beam search at that; and the share of our slot-steps that
-# step a sentence still searching (greedy: each makes a token of its translation).
-TEXT_GOALS, USEFUL_GOAL = {"greedy": 1.3, "beam4": 1.0}, 0.9
+# step a sentence still searching (greedy: each makes a token of its translation). Beam
+# search twice: with decode.py's stop rule ("exact") and with CTranslate2's ("count": a
+# sentence ends once 4 hypotheses have), both against its beam4.
+TEXT_GOALS, USEFUL_GOAL = {"greedy": 1.3, "beam4": 1.0, "beam4_count": 1.0}, 0.9
+TEXT_LABELS = {"beam4": "beam4 (exact, decode.py's)", "beam4_count": "beam4 (count, CT2's rule)"}
 
 
 def translate_rows(files: dict[str, dict]) -> list[dict]:
@@ -398,13 +402,13 @@ def translate_rows(files: dict[str, dict]) -> list[dict]:
     # written before rows said so: slots for greedy, fixed for beam search).
     auto = lambda r: r["batching"] == r.get("auto_batching", (  # noqa: E731
         "fixed" if r["strategy"].startswith("beam") else "slots"))
-    # ... and its beam stop rule, "count" (CTranslate2's own with a length penalty).
-    counted = any(r["strategy"] == "beam4_count" for r in rows)
     for r in rows:
-      if r["system"] == "seq2seq" and (not auto(r) or (counted and r["strategy"] == "beam4")):
-        continue
-      strategy = "beam4" if r["strategy"] == "beam4_count" else r["strategy"]
-      (ours if r["system"] == "seq2seq" else theirs)[strategy][r["precision"]] = r
+      if r["system"] == "seq2seq":
+        if auto(r):
+          ours[r["strategy"]][r["precision"]] = r
+      else:   # CTranslate2's beam4 (its own stop rule) beside both of ours
+        for strategy in [r["strategy"]] + (["beam4_count"] if r["strategy"] == "beam4" else []):
+          theirs[strategy][r["precision"]] = r
     for strategy in [s for s in TEXT_GOALS if s in ours and s in theirs]:
       o, t = ours[strategy], theirs[strategy]
       best = lambda d: max(d.values(), key=lambda r: r["tokens_per_sec"])  # noqa: E731
@@ -443,7 +447,8 @@ def translate_table(rows: list[dict]) -> str:
     bleu = ("-" if r["bleu_ours"] is None else
             f"{r['bleu_ours']:.2f} / {r['bleu_ct2']:.2f}")
     lines.append(
-        f"| {r['source']} ({r['sentences']}) {r['strategy']} | {_num(r['ours_f32'])} | "
+        f"| {r['source']} ({r['sentences']}) {TEXT_LABELS.get(r['strategy'], r['strategy'])} | "
+        f"{_num(r['ours_f32'])} | "
         f"{_num(r['ct2_f32'])} | {f32} | {r['goal']}x {_verdict(r['f32_ratio'], r['goal'])} | "
         f"{_num(r['ours_best'])} {SHORT.get(r['ours_best_dtype'], r['ours_best_dtype'])} | "
         f"{_num(r['ct2_best'])} {r['ct2_best_type']} | {r['best_ratio']:.2f} | "
