@@ -79,12 +79,20 @@ Modes:
           warm-up. The random model tends to repeat one token, which costs the same as any
           other output. Each (strategy) runs in its own subprocess like the rest.
 On a GPU (`--device cuda`, with `--workload gpu`: bench_train.py's GPU_WORKLOADS, `big`
-too, and decode batch 128): tensors and models on the GPU, autocast('cuda'), each timed
-region closed by torch.cuda.synchronize(), the matmul peak at --peak_n (8192) on the GPU, and
-the GPU's peak allocated memory. Mode `train_compiled` is `train` with the model wrapped in
-torch.compile (default mode; its first step, compilation included, is reported apart).
-Dtype `float16` (decode_cached only) is model.to(torch.float16). `--workload dry` (`tiny`,
-a few tokens) runs every mode in seconds, for a dry run of the script.
+and `bible_gpu` too, and decode batch 128): tensors and models on the GPU, autocast('cuda'),
+each timed region closed by torch.cuda.synchronize(), the matmul peak at --peak_n (8192) on
+the GPU, and the GPU's peak allocated memory. Mode `train_compiled` is `train` with the
+model wrapped in torch.compile (default mode; its first step, compilation included, is
+reported apart). Dtype `float16` (decode_cached only) is model.to(torch.float16).
+`--workload dry` (`tiny`, a few tokens) runs every mode in seconds, for a dry run of the
+script. Mode train of the gpu and dry workloads trains on bench_train.py's batches of them,
+the same arrays (`packed_batches`: train.py's first 8 batches of the Bible corpus, several
+pairs to a row, then padding): each pair's positions and its decoder input behind its own
+BOS, and per-batch bool attention masks [B * heads, L, L] (src_mask, tgt_mask and
+memory_mask: a query sees its own pair's keys, causally in the decoder; a padding query sees
+every key, so that no softmax row is empty), built once before the timed steps. A
+non-finite loss at any step fails the row. Not matched: the peer's dropout stays 0.1
+(bible_gpu's sublayer dropout is 0.2).
 
 Dtypes: `float32`, and `bfloat16` = torch.autocast('cpu', dtype=torch.bfloat16) around
 the forward (f32 params and Adam state; logits cast to f32 for the loss). bfloat16 decode
@@ -129,7 +137,10 @@ MODELS = {"small": dict(vocab_size=8000, d_model=256, num_heads=4, num_encoder_l
                        num_decoder_layers=6, d_ff=2048),
           "big": dict(vocab_size=32000, d_model=1024, num_heads=16, num_encoder_layers=6,
                       num_decoder_layers=6, d_ff=4096),
-          "tiny": dict(vocab_size=64, d_model=64, num_heads=4, num_encoder_layers=2,
+          # bible_gpu's run: the base model at its vocabulary (bench_train.GPU_WORKLOADS)
+          "bible_gpu": dict(vocab_size=8000, d_model=512, num_heads=8, num_encoder_layers=6,
+                            num_decoder_layers=6, d_ff=2048),
+          "tiny": dict(vocab_size=512, d_model=64, num_heads=4, num_encoder_layers=2,
                        num_decoder_layers=2, d_ff=256)}
 TRAIN_WORKLOADS = {"small": dict(batch=32, length=64), "base": dict(batch=16, length=64)}
 DECODE_WORKLOADS = {"small": dict(batch=16), "base": dict(batch=8)}
@@ -151,8 +162,9 @@ MARIAN_MAX_POSITIONS = 256  # >= 1 + 64 decoder positions and 32 source position
 # The batches, the FLOP count and the memory reading are bench_train.py's own (stdlib-only
 # at import time, so this script still runs from a venv without jax or seq2seq).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import FLOP_FORMULA, MIN_LEN, WORKLOAD_SETS, _vm_hwm_mb  # noqa: E402
-from bench_train import datasheet_bf16_peak, random_batch  # noqa: E402
+from bench_train import CORPUS, DATA_DIR, FLOP_FORMULA, MIN_LEN, WORKLOAD_SETS  # noqa: E402
+from bench_train import _vm_hwm_mb, datasheet_bf16_peak, packed_batches  # noqa: E402
+from bench_train import random_batch  # noqa: E402
 from bench_train import train_flops as _train_flops  # noqa: E402
 
 # Where the models and tensors live (--device): cpu, or cuda on a GPU.
@@ -191,7 +203,8 @@ def _gpu_facts() -> dict:
 def _print_failed(r: dict) -> bool:
   """Print a table row for a run that failed; True if it did."""
   if r.get("failed"):
-    print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})")
+    print(f"{r['preset']:6s} {r['dtype']:8s} FAILED (exit {r['returncode']})"
+          f"{': ' + r['error'] if 'error' in r else ''}")
   return bool(r.get("failed"))
 
 
@@ -238,14 +251,19 @@ def _build_model(preset: str):
       self.register_buffer("causal", torch.triu(torch.ones(MAX_LEN, MAX_LEN, dtype=torch.bool),
                                                 1), persistent=False)
 
-    def embed_positions(self, ids):
-      x = self.embed(ids) * math.sqrt(self.d_model) + self.pos[:ids.shape[1]]
-      return self.dropout(x)
+    def embed_positions(self, ids, positions=None):
+      pos = self.pos[:ids.shape[1]] if positions is None else self.pos[positions]
+      return self.dropout(self.embed(ids) * math.sqrt(self.d_model) + pos)
 
     def head(self, h):
       return F.linear(h, self.embed.weight)
 
-    def forward(self, src, tgt_in):
+    def forward(self, src, tgt_in, packed=None):
+      if packed is not None:   # packed rows: `packed_inputs`' positions and masks
+        src_pos, tgt_pos, src_mask, tgt_mask, memory_mask = packed
+        return self.head(self.transformer(
+            self.embed_positions(src, src_pos), self.embed_positions(tgt_in, tgt_pos),
+            src_mask=src_mask, tgt_mask=tgt_mask, memory_mask=memory_mask))
       src_pad, tgt_pad = src == PAD, tgt_in == PAD
       t = tgt_in.shape[1]
       h = self.transformer(
@@ -255,6 +273,33 @@ def _build_model(preset: str):
       return self.head(h)
 
   return cfg, PeerTransformer()
+
+
+def packed_inputs(b: dict, heads: int) -> tuple:
+  """(src, decoder input, target, the forward's `packed`) of a batch of packed rows (numpy
+  int32 [B, L]: src, tgt, their segment ids and positions) on DEVICE. The decoder input is
+  each pair's target behind BOS (seq2seq.losses.shift_right); a query attends to the keys
+  of its own pair (and in the decoder's self-attention to those not after it), and a
+  padding query to every key, so that no softmax row is empty (its output reaches no loss
+  and no other query). Masks: bool [B * heads, Lq, Lk], True = masked (nn.Transformer's)."""
+  import torch
+  t = lambda x: torch.from_numpy(x).long().to(DEVICE)  # noqa: E731
+  src, tgt, src_seg, tgt_seg = t(b["src"]), t(b["tgt"]), t(b["src_segments"]), \
+      t(b["tgt_segments"])
+  prev = torch.cat([torch.zeros_like(tgt_seg[:, :1]), tgt_seg[:, :-1]], 1)
+  tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], 1)
+  tgt_in = torch.where(tgt_seg != prev, BOS, tgt_in).masked_fill(tgt_seg == 0, PAD)
+
+  def masked(q, k, causal=False):
+    allowed = q[:, :, None] == k[:, None, :]
+    if causal:
+      allowed &= torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=DEVICE).tril()
+    allowed |= (q == 0)[:, :, None]
+    return (~allowed).repeat_interleave(heads, 0)
+
+  return src, tgt_in, tgt, (t(b["src_positions"]), t(b["tgt_positions"]),
+                            masked(src_seg, src_seg), masked(tgt_seg, tgt_seg, causal=True),
+                            masked(tgt_seg, src_seg))
 
 
 def _autocast(dtype: str):
@@ -287,7 +332,8 @@ def matmul_peak(dtype: str, n: int = PEAK_N, repeats: int = 7) -> dict:
 
 
 def run_train(preset: str, dtype: str, steps: int, workload: str = "cpu",
-              compiled: bool = False, peak_n: int = PEAK_N) -> dict:
+              compiled: bool = False, peak_n: int = PEAK_N, corpus: str = CORPUS,
+              data_dir: str = DATA_DIR) -> dict:
   import numpy as np
   import torch
   import torch.nn.functional as F
@@ -297,24 +343,29 @@ def run_train(preset: str, dtype: str, steps: int, workload: str = "cpu",
   model.to(DEVICE).train()
   opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
   forward = torch.compile(model) if compiled else model
-  rng = np.random.default_rng(0)
-  local = [random_batch(rng, w["batch"], w["length"], cfg["vocab_size"],
-                        w.get("min_len", MIN_LEN)) for _ in range(4)]
-  batches = []
-  for b in local:
-    src = torch.from_numpy(b["src"]).long().to(DEVICE)
-    tgt = torch.from_numpy(b["tgt"]).long().to(DEVICE)
-    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], 1)
-    batches.append((src, tgt_in, tgt))
+  if workload == "cpu":
+    rng = np.random.default_rng(0)
+    local = [random_batch(rng, w["batch"], w["length"], cfg["vocab_size"],
+                          w.get("min_len", MIN_LEN)) for _ in range(4)]
+    data = dict(source="random tokens, one pair per row")
+    batches = []
+    for b in local:
+      src = torch.from_numpy(b["src"]).long().to(DEVICE)
+      tgt = torch.from_numpy(b["tgt"]).long().to(DEVICE)
+      tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], 1)
+      batches.append((src, tgt_in, tgt, None))
+  else:   # bench_train.py's: train.py's packed rows
+    local, data = packed_batches(workload, preset, corpus, data_dir)
+    batches = [packed_inputs(b, cfg["num_heads"]) for b in local]
   tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
   pad_frac = 1.0 - sum(tgt_tokens) / (len(local) * w["batch"] * w["length"])
 
   def step(i):
-    src, tgt_in, tgt = batches[i % len(batches)]
+    src, tgt_in, tgt, packed = batches[i % len(batches)]
     t, c = time.perf_counter(), time.process_time()
     opt.zero_grad(set_to_none=True)
     with _autocast(dtype):
-      logits = forward(src, tgt_in)
+      logits = forward(src, tgt_in, packed)
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                            ignore_index=PAD, label_smoothing=LABEL_SMOOTHING)
     loss.backward()
@@ -322,10 +373,11 @@ def run_train(preset: str, dtype: str, steps: int, workload: str = "cpu",
     loss = float(loss)
     return time.perf_counter() - t, time.process_time() - c, loss
 
-  first_s = step(0)[0]
-  for i in range(1, WARMUP_TRAIN):
-    step(i)
+  first = step(0)
+  warm = [step(i) for i in range(1, WARMUP_TRAIN)]
   runs = [step(WARMUP_TRAIN + i) for i in range(steps)]
+  first_s = first[0]
+  bad = [i + 1 for i, r in enumerate([first, *warm, *runs]) if not math.isfinite(r[2])]
   step_s = statistics.median(r[0] for r in runs)
   idx = [(WARMUP_TRAIN + i) % len(batches) for i in range(steps)]
   tok_per_step = statistics.mean(tgt_tokens[i] for i in idx)
@@ -345,7 +397,9 @@ def run_train(preset: str, dtype: str, steps: int, workload: str = "cpu",
       tokens_per_s=tok_per_step / step_s, train_flops_per_step=flops,
       model_flops_per_s=flops / step_s, matmul_peak_flops_per_s=peak["flops_per_s"],
       matmul_peak=peak, mfu=flops / step_s / peak["flops_per_s"], peak_rss_mb=peak_rss_mb,
-      final_loss=runs[-1][2])
+      data=data, losses=[r[2] for r in [first, *warm, *runs]], final_loss=runs[-1][2],
+      **(dict(error=f"non-finite loss at step {bad[0]} of {WARMUP_TRAIN + steps}")
+         if bad else {}))
 
 
 def run_decode(preset: str, dtype: str, steps: int, workload: str = "cpu",
@@ -493,7 +547,7 @@ def run_decode_cached(preset: str, dtype: str, steps: int, strategy: str,
 
 
 def _child(spec: str, steps: int, threads: int, workload: str = "cpu",
-           peak_n: int = PEAK_N) -> dict:
+           peak_n: int = PEAK_N, corpus: str = CORPUS, data_dir: str = DATA_DIR) -> dict:
   import warnings
   import torch
   warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
@@ -503,7 +557,8 @@ def _child(spec: str, steps: int, threads: int, workload: str = "cpu",
   if mode == "decode_cached":
     r = run_decode_cached(preset, dtype, steps, rest[0], workload, peak_n)
   elif mode in ("train", "train_compiled"):
-    r = run_train(preset, dtype, steps, workload, mode == "train_compiled", peak_n)
+    r = run_train(preset, dtype, steps, workload, mode == "train_compiled", peak_n, corpus,
+                  data_dir)
   else:
     r = run_decode(preset, dtype, steps, workload, peak_n)
   r.update(torch=torch.__version__, num_threads=torch.get_num_threads(), torch_device=DEVICE)
@@ -536,15 +591,20 @@ def main(argv=None):
   ap.add_argument("--workload", default="cpu", choices=("cpu", "gpu", "dry"),
                   help="batch shapes: cpu (bench_train/bench_decode's), gpu, dry (tiny)")
   ap.add_argument("--peak_n", type=int, default=PEAK_N, help="matmul peak's n (n^3)")
+  ap.add_argument("--corpus", default=CORPUS, help="gpu and dry train workloads: "
+                  "bench_train.py's --corpus (the same batches)")
+  ap.add_argument("--data_dir", default=DATA_DIR, help="bench_train.py's --data_dir (its "
+                  "batches are read from there; built, with seq2seq, where missing)")
   ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   global DEVICE
   DEVICE = args.device
 
   if args._child:  # preset,mode,dtype[,strategy]: measure and print one JSON line
-    print("RESULT " + json.dumps(_child(args._child, args.steps, args.threads, args.workload,
-                                        args.peak_n)), flush=True)
-    return
+    r = _child(args._child, args.steps, args.threads, args.workload, args.peak_n, args.corpus,
+               args.data_dir)
+    print("RESULT " + json.dumps(r), flush=True)
+    return 1 if "error" in r else 0
 
   presets, modes, dtypes, strategies = (s.split(",") for s in (
       args.presets, args.modes, args.dtypes, args.strategies))
@@ -578,18 +638,20 @@ def main(argv=None):
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--_child", spec,
          "--steps", str(args.steps), "--threads", str(args.threads), "--device", args.device,
-         "--workload", args.workload, "--peak_n", str(args.peak_n)],
+         "--workload", args.workload, "--peak_n", str(args.peak_n), "--corpus", args.corpus,
+         "--data_dir", args.data_dir],
         stdout=subprocess.PIPE, text=True)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-      print(f"  {preset} {label} {dtype}: FAILED (exit {proc.returncode})", file=sys.stderr)
-      rows.append(dict(preset=preset, mode=mode, dtype=dtype, failed=True,
-                       returncode=proc.returncode,
-                       **(dict(strategy=strategy) if mode == "decode_cached" else {})))
-      continue
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT "):]) if line else dict(
+        preset=preset, mode=mode, dtype=dtype,
+        **(dict(strategy=strategy) if mode == "decode_cached" else {}))
     r["wall_s"] = time.perf_counter() - t
     rows.append(r)
+    if proc.returncode != 0 or line is None:
+      r.update(failed=True, returncode=proc.returncode)
+      print(f"  {preset} {label} {dtype}: FAILED (exit {proc.returncode})"
+            f"{': ' + r['error'] if 'error' in r else ''}", file=sys.stderr)
+      continue
     extra = (f"step {r['step_s']:.3f}s (cpu {r['cpu_s_per_step']:.2f}s)  MFU "
              f"{100 * r['mfu']:.1f}%" if mode.startswith("train") else
              f"call {r['run_s']:.3f}s (cpu {r['cpu_s']:.2f}s)")
@@ -675,7 +737,8 @@ def main(argv=None):
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, results=rows), f, indent=2)
   print(f"wrote {args.out}")
+  return 1 if len(ok) < len(rows) else 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

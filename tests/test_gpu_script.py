@@ -4,6 +4,8 @@ decodes and benchmarks in subprocesses). Then the parts a dry run cannot reach: 
 commands' flags, the real pytest results (JUnit XML), train.py's and decode.py's closing
 lines, which carried wheels get installed, the deadline, a step's time limit, a SIGTERM."""
 import json
+import math
+import string
 import subprocess
 import sys
 import time
@@ -20,14 +22,25 @@ import run as gpu_run  # noqa: E402
 TEST_LINES = 8
 
 
+# Real text's characters: more than a vocabulary of 300 pieces holds beside its 4 specials
+# and 256 bytes (SentencePiece refuses such a vocabulary, as it did the Bible's).
+CHARACTERS = (string.ascii_uppercase + string.digits + string.punctuation,
+              "ÀÂÇÉÈÊËÎÏÔÙÛÜŒàâçéèêëîïôùûüœ«»’—")
+
+
 def _corpus(d: Path) -> Path:
-  """A tiny English-French corpus in the Bible corpus's layout ({split}.{en,fr})."""
+  """A tiny English-French corpus in the Bible corpus's layout ({split}.{en,fr}): number
+  words, and one line of the characters of real text."""
   from num2words import num2words
   d.mkdir()
   for split, numbers in (("train", range(0, 200)), ("validation", range(200, 208)),
                          ("test", range(208, 208 + TEST_LINES))):
-    (d / f"{split}.en").write_text("".join(num2words(n) + "\n" for n in numbers))
-    (d / f"{split}.fr").write_text("".join(num2words(n, lang="fr") + "\n" for n in numbers))
+    en, fr = ([num2words(n, lang=lang) for n in numbers] for lang in ("en", "fr"))
+    if split == "train":
+      en[100], fr[100] = (f"{num2words(100, lang=lang)} {chars}"
+                          for lang, chars in zip(("en", "fr"), CHARACTERS))
+    (d / f"{split}.en").write_text("".join(line + "\n" for line in en))
+    (d / f"{split}.fr").write_text("".join(line + "\n" for line in fr))
   return d
 
 
@@ -52,6 +65,28 @@ def _stage(out: Path, name: str) -> dict:
 def _step(stage: dict, name: str) -> dict:
   (step,) = [s for s in stage["steps"] if s["name"] == name]
   return step
+
+
+@pytest.mark.slow   # the whole command: ~50 s of CPU time
+def test_every_stage_of_the_dry_run_succeeds(dry_run):
+  """Every step that ran exited as it should (the command exits 1 otherwise: the fixture
+  checks it); the steps left out are those a CPU cannot run (no torch here, torch.compile,
+  the same command again), each with its reason; the Bible stages ran train.py on the
+  corpus's own text, whose characters a too small vocabulary would refuse."""
+  _, out, work = dry_run
+  run = json.loads((out / "run.json").read_text())
+  assert {s: v["status"] for s, v in run["stages"].items()} == dict.fromkeys(gpu_run.STAGES,
+                                                                            "ok")
+  for stage in gpu_run.STAGES:
+    s = _stage(out, stage)
+    assert s["status"] == "ok" and s["failed_steps"] == [], stage
+    assert all(x["ok"] for x in s["steps"] if "returncode" in x), stage
+    for name, why in s["skipped_steps"].items():
+      assert why in ("torch is not installed", "transformers is not installed",
+                     "torch.compile takes minutes on a CPU",
+                     "the jax step's command again"), (stage, name, why)
+  text = "".join((work / "bible_dry" / f"train.{lang}").read_text() for lang in ("en", "fr"))
+  assert len(set(text) - {"\n"}) > 300 - 4 - 256
 
 
 @pytest.mark.slow   # the whole command: ~50 s of CPU time
@@ -131,11 +166,21 @@ def test_trace_events_are_summed_by_name_in_all_and_without_what_they_contain():
 
 @pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run):
-  _, out, _ = dry_run
+  """Training speed on train.py's packed rows of the corpus (the dry run's slice of it),
+  every step's loss finite; the compile stage's steps on the same batches."""
+  _, out, work = dry_run
   t, d = _stage(out, "train_speed"), _stage(out, "decode_speed")
   (row,) = _step(t, "jax_tiny")["rows"]
   assert row["tokens_per_s"] > 0 and row["preset"] == "tiny" and row["workload"] == "dry"
   assert t["summary"]["tiny/jax"]["tokens_per_s"] == row["tokens_per_s"]
+  data = row["data"]
+  assert data["source"] == f"parallel_text {work / 'bible_dry'}" and data["pairs"] == 200
+  assert data["pairs_per_row"] > 1 and data["rows_with_padding"] > 0 and "error" not in row
+  assert row["target_tokens_per_step"] in data["target_tokens_per_batch"]
+  assert all(map(math.isfinite, row["losses"])) and len(row["losses"]) == 2
+  assert t["summary"]["tiny/jax"]["final_loss"] == row["final_loss"] == row["losses"][-1]
+  (as_is,) = _step(_stage(out, "compile"), "as_is")["rows"]
+  assert as_is["data"] == data
   jax_rows = _step(d, "jax")["rows"]
   assert [r["strategy"] for r in jax_rows] == ["greedy", "beam4"]
   assert all(r["cached"]["tokens_per_s"] > 0 for r in jax_rows)
@@ -147,9 +192,11 @@ def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run
   except ImportError:
     assert _step(t, "torch_tiny")["skipped"] == "torch is not installed"
     assert _step(d, "marian_bfloat16")["skipped"].endswith("is not installed")
-    assert t["status"] == d["status"] == "partial"
   else:
-    assert _step(t, "torch_tiny")["returncode"] == 0
+    (peer,) = _step(t, "torch_tiny")["rows"]
+    assert peer["data"] == data and all(map(math.isfinite, peer["losses"]))
+    assert peer["target_tokens_per_step"] in data["target_tokens_per_batch"]
+  assert t["status"] == d["status"] == "ok"
 
 
 @pytest.mark.slow   # the whole command: ~50 s of CPU time
@@ -272,6 +319,41 @@ def test_sigterm_ends_the_running_step_and_says_so_in_run_json(tmp_path):
   assert e.value.code == 128 + signal.SIGTERM
   assert runner.proc.wait(timeout=10) == -signal.SIGKILL
   assert json.loads((tmp_path / "run.json").read_text())["stopped_by_signal"] == signal.SIGTERM
+
+
+def test_a_failing_step_fails_its_stage_and_the_command(tmp_path, monkeypatch):
+  """A step that exits with a code not its own, passes its time limit or prints what its
+  parser cannot read fails its stage, which run.json names, and the command exits 1; a
+  step left out for the deadline or by --skip leaves its stage partial; one the stage
+  leaves out (what this machine cannot run) leaves it ok."""
+  py = sys.executable
+  def builder(*steps):
+    return lambda args, work: (list(steps), lambda done: {"steps": len(done)})
+  fine, two = gpu_run.Step("fine", [py, "-c", ""], 30), \
+      gpu_run.Step("two", [py, "-c", "exit(2)"], 30, ok_codes=(0, 2))
+  cases = {"ok": [fine, two, gpu_run.Step("peer", [py, "-c", "exit(1)"], 30, skip="no peer")],
+           "exit": [fine, gpu_run.Step("exit", [py, "-c", "exit(2)"], 30)],
+           "limit": [gpu_run.Step("slow", [py, "-c", "import time; time.sleep(30)"], 1)],
+           "parse": [gpu_run.Step("parse", [py, "-c", "print('RESULT {')"], 30,
+                                  parse=gpu_run.last_result)]}
+  for name, steps in cases.items():
+    monkeypatch.setitem(gpu_run.STAGE_BUILDERS, "compile", builder(*steps))
+    out = tmp_path / name
+    rc = gpu_run.main(["compile", "--dry_run", "--out", str(out), "--work", str(tmp_path)])
+    run = json.loads((out / "run.json").read_text())["stages"]["compile"]
+    if name == "ok":
+      assert (rc, run["status"], run["summary"]) == (0, "ok", {"steps": 3})
+      assert _stage(out, "compile")["skipped_steps"] == {"peer": "no peer"}
+    else:
+      assert (rc, run["status"], run["failed_steps"]) == (1, "failed", [steps[-1].name]), name
+  assert "--- exit: exit 2 in" in (tmp_path / "exit" / "log.txt").read_text()
+  monkeypatch.setitem(gpu_run.STAGE_BUILDERS, "compile", builder(fine, fine))
+  assert gpu_run.main(["compile", "--dry_run", "--out", str(tmp_path / "cut"), "--work",
+                       str(tmp_path), "--skip", "compile/fine"]) == 0
+  assert _stage(tmp_path / "cut", "compile")["status"] == "skipped"
+  done = [dict(name="a", returncode=0, ok=True), dict(name="b", skipped="deadline")]
+  assert gpu_run.stage_status(done) == "partial"
+  assert gpu_run.stage_status(done[:1], summary_failed=True) == "failed"
 
 
 def test_no_time_left_skips_every_step_and_a_bad_stage_is_one_line(tmp_path, capsys):

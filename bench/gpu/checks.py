@@ -3,23 +3,24 @@
 
     python bench/gpu/checks.py attention [--preset base] [--batch 16] [--length 64]
         Which attention the compiled programs run: lowers and compiles a bf16 train step
-        (`train_lib.Trainer.step`) and the cached decode loop (greedy and beam 4) of the
-        preset with the default kernels ("auto": `accelerator` on a GPU), and counts the
-        cuDNN fused-attention custom calls (`__cudnn$fmha...`) in each compiled HLO (and
-        every custom call's target, should XLA name them otherwise), with
-        kernels/accelerator.py's verdict for every form of attention it traced.
+        (`train_lib.Trainer.step`, on packed rows as train.py's) and the cached decode loop
+        (greedy and beam 4) of the preset with the default kernels ("auto": `accelerator`
+        on a GPU), and counts the cuDNN fused-attention custom calls (`__cudnn$fmha...`)
+        in each compiled HLO (and every custom call's target, should XLA name them
+        otherwise), with kernels/accelerator.py's verdict for every form of attention it
+        traced.
     python bench/gpu/checks.py compile_probe
         Cold compile times (no compile cache) of three tiny programs: a broadcast, a
         1024x1024 matmul and a sum, a chain of elementwise ops. Each is one or two
         kernels and nothing to autotune but the matmul: seconds here are a cost per
         program (PTX assembly, the driver), not XLA's autotuning.
     python bench/gpu/checks.py compile_profile [--preset small] [--batch 128] [--length 256]
-        Where the cold compile of a bf16 train step of the preset goes: seconds tracing,
-        lowering and compiling (no compile cache), and XLA's own account of the compile
-        from a host trace (`jax.profiler`, its TraceMe events: HLO passes, autotuning,
-        LLVM, PTX assembly, cuDNN): the events with the most time, in all and not counting
-        the events inside them (summed over threads: XLA compiles on several), with how
-        many times each ran.
+        Where the cold compile of a bf16 train step of the preset (on packed rows) goes:
+        seconds tracing, lowering and compiling (no compile cache), and XLA's own account
+        of the compile from a host trace (`jax.profiler`, its TraceMe events: HLO passes,
+        autotuning, LLVM, PTX assembly, cuDNN): the events with the most time, in all and
+        not counting the events inside them (summed over threads: XLA compiles on
+        several), with how many times each ran.
     python bench/gpu/checks.py checkpoints WORKDIR
         Every checkpoint of WORKDIR restored (`load.load_workdir`, which checks each
         array's checksum): its step and a SHA-256 of its parameters, or the error.
@@ -60,7 +61,8 @@ def _program(compiled, seconds: float) -> dict:
 
 def _train_step(preset: str, batch: int, length: int, workload: str):
   """(config, the jitted bf16 train step, its abstract arguments) of the preset at
-  batch x length, bench_train.py's workload otherwise."""
+  batch x length, bench_train.py's workload otherwise; the batch packed as train.py's are
+  (tokens, segment ids and positions of source and target)."""
   import jax
   import jax.numpy as jnp
   import bench_train
@@ -69,7 +71,8 @@ def _train_step(preset: str, batch: int, length: int, workload: str):
   cfg = cfg.replace(train=cfg.train.replace(batch_size=batch, seq_len=length))
   trainer = train_lib.Trainer(cfg, bos_id=bench_train.BOS)
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=trainer.batch_sharding)
-  return cfg, trainer.step, (trainer.abstract_state, {"src": tokens, "tgt": tokens})
+  return cfg, trainer.step, (trainer.abstract_state,
+                             {k: tokens for k in bench_train.BATCH_KEYS})
 
 
 def attention(preset: str, batch: int, length: int, workload: str,

@@ -36,9 +36,11 @@ Stages (see docs/performance.md, "GPU"):
                 SEQ2SEQ_ATTENTION=xla, and with cuBLAS for every matmul
                 (--xla_gpu_enable_triton_gemm=false); last, cold compiles of three tiny
                 programs (checks.py compile_probe: a cost per program?)
-  train_speed   bench_train.py --workload gpu (small, base, big; bf16) and, where torch is
-                installed, bench_peers_torch.py's nn.Transformer on the same GPU (eager,
-                then torch.compile for base)
+  train_speed   bench_train.py --workload gpu (bible_gpu at 128 x 64, base and big at 256
+                tokens a row; bf16) on train.py's packed rows of the Bible corpus (a step
+                with a non-finite loss fails it) and, where torch is installed,
+                bench_peers_torch.py's nn.Transformer on the same GPU and the same batches
+                (eager, then torch.compile for base)
   decode_speed  bench_decode.py --workload gpu (base, batch 128, greedy and beam 4, bf16)
                 and, where transformers is installed, MarianMT generate (bf16 and fp16)
   bible         train.py --config bible_gpu on --bible_dir (the corpus of
@@ -49,9 +51,16 @@ Stages (see docs/performance.md, "GPU"):
 Every step runs under its own time limit; --deadline_s bounds the whole command (a step
 that cannot start with 20 s left is skipped, and a step's limit is cut to what is left).
 
---dry_run: the same steps on tiny models and few tokens (JAX_PLATFORMS=cpu is set), the
-pytest selections only collected, torch peers only where torch imports (else recorded as
-skipped): tests/test_gpu_script.py runs it.
+--dry_run: the same steps on tiny models and few tokens (JAX_PLATFORMS=cpu is set), on
+the first lines of each file of the corpus (DRY_LINES), the pytest selections only
+collected, torch peers only where torch imports (else recorded as skipped), no
+torch.compile (minutes on a CPU): tests/test_gpu_script.py runs it.
+
+A stage's status (run.json, <stage>.json): failed where a step that ran failed (an exit
+code other than its own, its time limit, output its parser could not read); partial where a
+step was left out for the deadline or by --skip; skipped where none ran; else ok (with the
+steps this machine cannot run, and why, in `skipped_steps`). The command exits 1 where a
+stage failed, else 0.
 
 Before the first import of the project, carried wheels (--wheels, default .whl: see
 bench/gpu/fetch_wheels.sh) are installed with pip into --site (/tmp/site) for the
@@ -64,6 +73,7 @@ import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -97,16 +107,19 @@ KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_attention.py", "tests/test_
 CHECKPOINT_TESTS = ["tests/test_train.py", "-k",
                     "complete_workdir or sigkill_then_resume or broken_latest_checkpoint "
                     "or average_checkpoints"]
-# Tiny models for --dry_run (a few seconds of compiling each on a CPU).
+# Tiny models for --dry_run (a few seconds of compiling each on a CPU), with a vocabulary
+# that holds the Bible's characters (~90, beside 4 specials and 256 bytes).
 DRY_MODEL = ["--config.model.d_model=32", "--config.model.num_heads=2",
              "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
-             "--config.model.d_ff=64", "--config.data.vocab_size=300",
+             "--config.model.d_ff=64", "--config.data.vocab_size=512",
              "--config.data.max_src_len=32", "--config.data.max_tgt_len=32",
              "--config.train.seq_len=32", "--config.train.batch_size=4",
              "--config.train.warmup_steps=1", "--config.train.cooldown_steps=0",
              "--config.train.eval_every=1000", "--config.train.checkpoint_every=1",
              "--config.train.log_every=1", "--config.train.num_eval_examples=4",
              "--config.train.eval_batch_size=4"]
+# The dry run's slice of the corpus: lines of each split.
+DRY_LINES = dict(train=2000, validation=16, test=16)
 
 
 # --- installing the carried wheels -------------------------------------------------------------
@@ -193,6 +206,7 @@ class Step:
   parse: Callable[[str, int], dict] | None = None   # (output, returncode) -> fields
   stdout_to: Path | None = None                     # stdout to this file, not the log
   skip: str = ""                                    # why it is not run ("" = run it)
+  ok_codes: tuple = (0,)                            # the exit codes of a step that worked
 
 
 def result_lines(text: str) -> list[dict]:
@@ -287,8 +301,9 @@ class Runner:
         rec.update(step.parse(text, proc.returncode))
       except Exception as e:   # noqa: BLE001 - a parser's failure is recorded, not fatal
         rec["parse_error"] = f"{type(e).__name__}: {e}"
+    rec["ok"] = proc.returncode in step.ok_codes and not timed_out and "parse_error" not in rec
     self.say(f"--- {step.name}: exit {proc.returncode}{' (TIMED OUT)' if timed_out else ''} "
-             f"in {rec['seconds']} s")
+             f"in {rec['seconds']} s{'' if rec['ok'] else ': FAILED'}")
     return rec
 
 
@@ -316,25 +331,45 @@ def _lines_until(stream, deadline: float):
       yield line + "\n"
 
 
+# Why a step did not run that leaves its stage short of what was asked (any other reason is
+# the builder's: what this machine or a dry run cannot do).
+CUT = ("deadline", "--skip")
+
+
+def stage_status(steps: list[dict], summary_failed: bool = False) -> str:
+  """failed: a step that ran failed (an exit code it should not have, its time limit, output
+  its parser could not read) or the summary could not be made; skipped: none ran; partial:
+  a step was left out for the deadline or by --skip; else ok (steps the builder left out,
+  with their reasons, included)."""
+  ran = [s for s in steps if "returncode" in s]
+  if summary_failed or not all(s["ok"] for s in ran):
+    return "failed"
+  if not ran:
+    return "skipped"
+  return "partial" if any(s.get("skipped") in CUT for s in steps) else "ok"
+
+
 def run_stage(runner: Runner, stage: str, steps: list[Step], summarize) -> dict:
   """Runs a stage's steps, rewriting <stage>.json after each; returns its record."""
   rec = dict(stage=stage, dry_run=runner.dry_run, steps=[], summary={})
   t = time.monotonic()
+  summary_failed = False
   for step in steps:
     rec["steps"].append(runner.step(step))
     try:
-      rec["summary"] = summarize(rec["steps"])
+      rec["summary"], summary_failed = summarize(rec["steps"]), False
     except Exception as e:   # noqa: BLE001
-      rec["summary"] = dict(error=f"{type(e).__name__}: {e}")
+      rec["summary"], summary_failed = dict(error=f"{type(e).__name__}: {e}"), True
     rec["seconds"] = round(time.monotonic() - t, 1)
     runner.write(f"{stage}.json", rec)
-  ran = [s for s in rec["steps"] if "returncode" in s]
-  rec["status"] = ("skipped" if not ran else
-                   "ok" if all(s["returncode"] == 0 and not s["timed_out"] for s in ran)
-                   and len(ran) == len(rec["steps"]) else "partial")
+  rec["status"] = stage_status(rec["steps"], summary_failed)
+  rec["failed_steps"] = [s["name"] for s in rec["steps"] if s.get("ok") is False]
+  rec["skipped_steps"] = {s["name"]: s["skipped"] for s in rec["steps"] if "skipped" in s}
   runner.write(f"{stage}.json", rec)
   runner.run["stages"][stage] = dict(status=rec["status"], seconds=rec["seconds"],
-                                     summary=rec["summary"])
+                                     summary=rec["summary"],
+                                     **({"failed_steps": rec["failed_steps"]}
+                                        if rec["failed_steps"] else {}))
   runner.write("run.json", runner.run)
   return rec
 
@@ -421,6 +456,12 @@ def correctness(args, work: Path) -> tuple[list[Step], Callable]:
   return steps, summarize
 
 
+def _batches_from(args, work: Path) -> list[str]:
+  """The speed benchmarks' flags for their batches: train.py's packed rows of the Bible
+  corpus (bible_data), kept in work/bench_data for every step."""
+  return ["--corpus", str(bible_data(args, work)), "--data_dir", str(work / "bench_data")]
+
+
 def _torch_skip(need_transformers: bool = False) -> str:
   """Why the torch peer cannot run here ("" if it can)."""
   for m in ("torch",) + (("transformers",) if need_transformers else ()):
@@ -438,20 +479,21 @@ def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
     torch_kw = ["--device", "cpu", "--workload", "dry", "--steps", "1", "--threads", "1",
                 "--peak_n", "128"]
   else:
-    presets, jax_kw = ["small", "base", "big"], ["--workload", "gpu", "--steps", "6",
-                                                 "--warmup", "2", "--peak_n", "8192"]
+    presets, jax_kw = ["bible_gpu", "base", "big"], ["--workload", "gpu", "--steps", "6",
+                                                     "--warmup", "2", "--peak_n", "8192"]
     torch_kw = ["--device", "cuda", "--workload", "gpu", "--steps", "6", "--peak_n", "8192"]
+  data = _batches_from(args, work)
   skip = _torch_skip()
   for preset in presets:
     steps.append(Step(f"jax_{preset}", [py, "bench/bench_train.py", "--presets", preset,
-                                        "--dtypes", "bfloat16", *jax_kw,
+                                        "--dtypes", "bfloat16", *jax_kw, *data,
                                         "--out", str(work / f"train_jax_{preset}.json")],
-                      {"small": 180, "base": 240}.get(preset, 300),   # compiles: 113 s for small
+                      300 if preset == "big" else 240,   # the first run compiled small in 113 s
                       parse=(lambda p: lambda t, rc: _json_rows(p))(
                           work / f"train_jax_{preset}.json")))
     steps.append(Step(f"torch_{preset}", [py, "bench/bench_peers_torch.py", "--presets",
                                           preset, "--modes", "train", "--dtypes", "bfloat16",
-                                          *torch_kw, "--out",
+                                          *torch_kw, *data, "--out",
                                           str(work / f"train_torch_{preset}.json")],
                       120, skip=skip,
                       parse=(lambda p: lambda t, rc: _json_rows(p))(
@@ -459,7 +501,7 @@ def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
   compiled = presets[1] if len(presets) > 1 else presets[0]
   steps.append(Step(f"torch_compiled_{compiled}",
                     [py, "bench/bench_peers_torch.py", "--presets", compiled, "--modes",
-                     "train_compiled", "--dtypes", "bfloat16", *torch_kw, "--out",
+                     "train_compiled", "--dtypes", "bfloat16", *torch_kw, *data, "--out",
                      str(work / "train_torch_compiled.json")], 240,
                     skip=skip or ("torch.compile takes minutes on a CPU" if args.dry_run
                                   else ""),
@@ -473,9 +515,12 @@ def train_speed(args, work: Path) -> tuple[list[Step], Callable]:
           rows[(r["preset"], r.get("mode", "jax"))] = r
     out = {}
     for (preset, mode), r in sorted(rows.items()):
-      out[f"{preset}/{mode}"] = {k: r.get(k) for k in (
+      d = r.get("data") or {}
+      out[f"{preset}/{mode}"] = dict({k: r.get(k) for k in (
           "tokens_per_s", "step_s", "mfu", "mfu_datasheet", "matmul_peak_flops_per_s",
-          "compile_s", "first_step_s", "device_peak_bytes", "target_tokens_per_s")}
+          "compile_s", "first_step_s", "device_peak_bytes", "target_tokens_per_s",
+          "final_loss")}, **{k: d.get(k) for k in ("tgt_fill", "pairs_per_row")},
+          batch=f"{r.get('batch')} x {r.get('length')}")
     for preset in presets:
       j, tr, tc = rows.get((preset, "jax")), rows.get((preset, "train")), \
           rows.get((preset, "train_compiled"))
@@ -528,7 +573,8 @@ def compile_time(args, work: Path) -> tuple[list[Step], Callable]:
   for name, env in variants:
     path = work / f"compile_{name}.json"
     steps.append(Step(name, [py, "bench/bench_train.py", "--presets", preset, "--dtypes",
-                             "bfloat16", *kw, "--out", str(path)], 150, env=env,
+                             "bfloat16", *kw, *_batches_from(args, work), "--out", str(path)],
+                      150, env=env,
                       parse=(lambda p: lambda t, rc: dict(_json_rows(p), log=compile_log(t)))(
                           path)))
   # A cost per program, if any (XLA's per-phase log of PTX assembly in log.txt).
@@ -623,8 +669,27 @@ def decode_speed(args, work: Path) -> tuple[list[Step], Callable]:
   return steps, summarize
 
 
-def _bible_train_argv(args, work: Path, extra=()) -> list[str]:
+def bible_data(args, work: Path) -> Path:
+  """The corpus of the Bible stages and of the speed stages' batches: --bible_dir, or in a
+  dry run the first DRY_LINES lines of each of its files (work/bible_dry: its real text,
+  its characters and lengths, read in seconds)."""
   data = Path(args.bible_dir)
+  if not args.dry_run or _no_corpus(args):
+    return data
+  out = work / "bible_dry"
+  out.mkdir(parents=True, exist_ok=True)
+  for split, n in DRY_LINES.items():
+    for lang in ("en", "fr"):
+      with open(ROOT / data / f"{split}.{lang}", encoding="utf-8") as f:
+        head = "".join(itertools.islice(f, n))
+      path = out / f"{split}.{lang}"
+      if not path.exists() or path.read_text(encoding="utf-8") != head:   # same file, kept
+        path.write_text(head, encoding="utf-8")
+  return out
+
+
+def _bible_train_argv(args, work: Path, extra=()) -> list[str]:
+  data = bible_data(args, work)
   argv = [sys.executable, "train.py", "--workdir", str(work / "bible"), "--config",
           "bible_gpu", "--train_files", str(data / "train"), "--validation_files",
           str(data / "validation"), "--test_files", str(data / "test"), "--data_dir",
@@ -675,7 +740,7 @@ def _no_corpus(args) -> str:
 
 
 def bible(args, work: Path) -> tuple[list[Step], Callable]:
-  data = Path(args.bible_dir)
+  data = bible_data(args, work)
   skip = _no_corpus(args)
   hyp = work / "bible_test.hyp.fr"
   if not skip:   # a new run each time (an earlier call's would only be evaluated again)
@@ -733,7 +798,7 @@ def oom(args, work: Path) -> tuple[list[Step], Callable]:
   steps.append(Step("too_large_batch", _bible_train_argv(
       args, work, ["--steps", str(latest + (1 if args.dry_run else 10)),
                    f"--config.train.batch_size={batch}"]), 180, skip=corpus,
-      parse=_last_lines))
+      parse=_last_lines, ok_codes=(0,) if args.dry_run else (0, 2)))   # 2: the goal's one line
   steps.append(Step("checkpoints_after", check, 90, parse=parse_check, skip=corpus))
 
   def summarize(done):
@@ -900,7 +965,7 @@ def main(argv=None) -> int:
   runner.write("run.json", runner.run)
   runner.say("\n".join(f"{s}: {v['status']} ({v['seconds']} s)"
                        for s, v in runner.run["stages"].items()))
-  return 0
+  return 1 if any(v["status"] == "failed" for v in runner.run["stages"].values()) else 0
 
 
 if __name__ == "__main__":
