@@ -23,7 +23,7 @@ from jax import lax
 
 from seq2seq import kernels
 from seq2seq.config import TransformerConfig
-from seq2seq.model import Transformer, head_weights, init_cache
+from seq2seq.model import Transformer, head_weights, init_cache, unroll_layers
 from seq2seq.search import (Beam, DecodeResult, Greedy, Sample, Strategy, _check, _is_int,
                             beam_search, sample_search)
 
@@ -95,18 +95,34 @@ def resize_cache(cache, length: int):
 
 
 def decode_params(cfg: TransformerConfig, params):
-  """The parameters as this config's kernels decode from them (the cpu kernels: weight
-  matrices cast once to the compute dtype). Callers that decode many batches make them
-  once and pass them in; `decode` makes them otherwise."""
-  return kernels.get(cfg.kernels).decode_params(cfg, params)
+  """The parameters as this config's kernels decode from them: one module per layer
+  (model.unroll_layers), and on the cpu kernels weight matrices cast once to the compute
+  dtype. Callers that decode many batches make them once and pass them in; `decode` makes
+  them otherwise."""
+  return kernels.get(cfg.kernels).decode_params(cfg, _unrolled(params))
+
+
+def _unrolled(params):
+  """model.unroll_layers, as one program where it has anything to do."""
+  p = params.get("params", params)
+  stacked = any("layers" in p.get(side, {}) for side in ("encoder", "decoder"))
+  return _unroll_jit(params) if stacked else params
+
+
+_unroll_jit = jax.jit(unroll_layers)
+
+
+def decoding_model(cfg: TransformerConfig) -> Transformer:
+  """The model decode steps run: one module per layer, whatever layout it trained in."""
+  return Transformer(cfg.replace(scan_layers=False))
 
 
 def _decode_impl(params, src_BxS, rng, *, cfg: TransformerConfig, strategy, max_len: int,
                  per_row_limit: bool, bos_id: int, eos_id: int, pad_id: int, min_len: int,
                  full_recompute: bool, return_logits: bool) -> DecodeResult:
-  model, ops = Transformer(cfg), kernels.get(cfg.kernels)
+  model, ops = decoding_model(cfg), kernels.get(cfg.kernels)
   batch = src_BxS.shape[0]
-  params = ops.decode_params(cfg, params)
+  params = ops.decode_params(cfg, unroll_layers(params))
   if per_row_limit:
     src_len_B = jnp.sum(src_BxS != pad_id, axis=1).astype(jnp.int32)
     limits_B = jnp.minimum(src_len_B + EXTRA_LEN, max_len)

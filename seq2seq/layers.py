@@ -213,9 +213,10 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
   """Masked self-attention → Add & Norm → cross-attention → Add & Norm → FFN → Add & Norm.
 
-  `cross_kv` are the encoder output's keys/values for this layer (projected once per
-  source). With `cache` ({"k", "v"}: [B, H, max_len, Dh]) the new self-attention keys and
-  values are written at `index` and attention reads the whole cache (decoding). A cache
+  `memory` is the encoder output [B, S, D], or its keys and values for this layer's
+  cross-attention (projected once per source: model.Decoder.cross_kv). With `cache`
+  ({"k", "v"}: [B, H, max_len, Dh]) the new self-attention keys and values are written at
+  `index` and attention reads the whole cache (decoding). A cache
   with "rows" ([B, max_len] int32, beam search) is not moved when hypotheses change beams:
   row b's slot j is read from the cache row rows[b, j], where its ancestor wrote it, and
   this step's slots are the rows' own.
@@ -230,7 +231,7 @@ class DecoderLayer(nn.Module):
     self.ffn = FeedForward(self.config)
     self.ffn_norm = AddNorm(self.config)
 
-  def __call__(self, y_BxTxD, cross_kv, self_mask, cross_mask, train: bool = False,
+  def __call__(self, y_BxTxD, memory, self_mask, cross_mask, train: bool = False,
                cache: dict | None = None, index: jax.Array | int = 0):
     new_cache = cache
 
@@ -251,8 +252,8 @@ class DecoderLayer(nn.Module):
       return self.self_attn.attend(q, k, v, self_mask, train, rows)
 
     def cross_attention(h_BxTxD):
-      return self.cross_attn.attend(self.cross_attn.project_q(h_BxTxD), *cross_kv, cross_mask,
-                                    train)
+      k, v = memory if isinstance(memory, tuple) else self.cross_attn.project_kv(memory)
+      return self.cross_attn.attend(self.cross_attn.project_q(h_BxTxD), k, v, cross_mask, train)
 
     y_BxTxD = self.self_attn_norm(y_BxTxD, masked_self_attention, train)
     y_BxTxD = self.cross_attn_norm(y_BxTxD, cross_attention, train)

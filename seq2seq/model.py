@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from seq2seq import attention as attn
+from seq2seq import kernels
 from seq2seq.config import TransformerConfig
 from seq2seq.layers import (DecoderLayer, Dense, Dropout, Embed, EncoderLayer, add_positions,
                             dense_group, split_heads)
@@ -41,21 +42,44 @@ def cross_mask(tgt_in_BxT, src_BxS, tgt_segments=None, src_segments=None):
   return attn.combine_masks(attn.padding_mask(tv, sv), seg)
 
 
+class EncoderLayerStep(EncoderLayer):
+  """An encoder layer as a step of a scan over the layers: (output, nothing per layer)."""
+
+  def __call__(self, x_BxSxD, mask, train: bool = False):
+    return super().__call__(x_BxSxD, mask, train), None
+
+
+def layer_stack(layer: type[nn.Module], config: TransformerConfig, n: int, n_args: int):
+  """`n` layers of class `layer` applied in turn, traced once (flax nn.scan): the same
+  arguments (`n_args` after the first) for each, their parameters stacked on a leading
+  axis, their own random initialisation and dropout each. The kernels say how many layers
+  each iteration of the compiled loop runs (`scan_unroll`)."""
+  return nn.scan(layer, variable_axes={"params": 0},
+                 split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * n_args,
+                 length=n, unroll=kernels.get(config.kernels).scan_unroll(n))(config)
+
+
 class Encoder(nn.Module):
   config: TransformerConfig
 
   def setup(self):
     cfg = self.config
     self.dropout = Dropout(cfg.dropout_rate, cfg.kernels)
-    self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
+    if cfg.scan_layers:
+      self.layers = layer_stack(EncoderLayerStep, cfg, cfg.num_encoder_layers, 2)
+    else:
+      self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
     if cfg.pre_ln:
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
 
   def __call__(self, x_BxSxD, mask, positions=None, train: bool = False):
     x_BxSxD = add_positions(x_BxSxD, self.config.max_len, positions)
     x_BxSxD = self.dropout(x_BxSxD, deterministic=not train)
-    for layer in self.layers:
-      x_BxSxD = layer(x_BxSxD, mask, train)
+    if self.config.scan_layers:
+      x_BxSxD, _ = self.layers(x_BxSxD, mask, train)
+    else:
+      for layer in self.layers:
+        x_BxSxD = layer(x_BxSxD, mask, train)
     return self.final_norm(x_BxSxD) if self.config.pre_ln else x_BxSxD
 
 
@@ -65,27 +89,38 @@ class Decoder(nn.Module):
   def setup(self):
     cfg = self.config
     self.dropout = Dropout(cfg.dropout_rate, cfg.kernels)
-    self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
+    if cfg.scan_layers:
+      self.layers = layer_stack(DecoderLayer, cfg, cfg.num_decoder_layers, 4)
+    else:
+      self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
     if cfg.pre_ln:
       self.final_norm = nn.LayerNorm(epsilon=1e-6, dtype=jnp.float32, param_dtype=cfg.param_dtype)
 
   def cross_kv(self, encoded_BxSxD):
     """Every layer's cross-attention (keys, values), [B, H, S, Dh] each: the encoder output
-    projected for all layers in one matmul."""
+    projected for all layers in one matmul (one module per layer only)."""
     attns = [layer.cross_attn for layer in self.layers]
     kv = [split_heads(y, self.config.dtype) for y in
           dense_group(encoded_BxSxD, [d for a in attns for d in (a.key, a.value)])]
     return tuple(zip(kv[0::2], kv[1::2]))
 
-  def __call__(self, y_BxTxD, cross_kv, self_mask, cross_mask, positions=None,
+  def __call__(self, y_BxTxD, memory, self_mask, cross_mask, positions=None,
                train: bool = False, cache=None, index=0):
+    """`memory`: the encoder output [B, S, D], or (one module per layer) each layer's
+    cross-attention keys and values (`cross_kv`)."""
     y_BxTxD = add_positions(y_BxTxD, self.config.max_len, positions, offset=index)
     y_BxTxD = self.dropout(y_BxTxD, deterministic=not train)
-    new_cache = []
-    for i, layer in enumerate(self.layers):
-      y_BxTxD, c = layer(y_BxTxD, cross_kv[i], self_mask, cross_mask, train,
-                         None if cache is None else cache[i], index)
-      new_cache.append(c)
+    new_cache = None
+    if self.config.scan_layers:
+      if cache is not None:
+        raise ValueError("decode steps read one module per layer: model.unroll_layers")
+      y_BxTxD, _ = self.layers(y_BxTxD, memory, self_mask, cross_mask, train)
+    else:
+      new_cache = []
+      for i, layer in enumerate(self.layers):
+        y_BxTxD, c = layer(y_BxTxD, memory[i], self_mask, cross_mask, train,
+                           None if cache is None else cache[i], index)
+        new_cache.append(c)
     y_BxTxD = self.final_norm(y_BxTxD) if self.config.pre_ln else y_BxTxD
     return y_BxTxD, (None if cache is None else tuple(new_cache))
 
@@ -128,8 +163,9 @@ class Transformer(nn.Module):
     """Teacher-forced decoder: logits [B, T, V] for every target position at once (or,
     with return_features, the decoder output [B, T, D] the head would project)."""
     y_BxTxD = self._tgt_embed()(tgt_in_BxT)
+    memory = encoded_BxSxD if self.config.scan_layers else self.decoder.cross_kv(encoded_BxSxD)
     y_BxTxD, _ = self.decoder(
-        y_BxTxD, self.decoder.cross_kv(encoded_BxSxD),
+        y_BxTxD, memory,
         decoder_self_mask(tgt_in_BxT, tgt_segments),
         cross_mask(tgt_in_BxT, src_BxS, tgt_segments, src_segments), tgt_positions, train)
     return y_BxTxD if return_features else self.output_head(y_BxTxD)
@@ -197,6 +233,35 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int, dtype=None,
   table = {"rows": jnp.zeros((batch, max_len), jnp.int32)} if rows else {}
   return tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), **table}
                for _ in range(config.num_decoder_layers))
+
+
+def unroll_layers(params):
+  """`params` as the model with one module per layer reads them (scan_layers=False, how
+  decoding runs): a stack's layer i as `layers_i`. Such params come back as they are."""
+  def unroll(tree):
+    if "layers" not in tree:
+      return tree
+    n = jax.tree_util.tree_leaves(tree["layers"])[0].shape[0]
+    layers = {f"layers_{i}": jax.tree_util.tree_map(lambda x: x[i], tree["layers"])
+              for i in range(n)}
+    return {**{k: v for k, v in tree.items() if k != "layers"}, **layers}
+  if "params" in params:
+    return {**params, "params": unroll_layers(params["params"])}
+  return {k: unroll(v) if k in ("encoder", "decoder") else v for k, v in params.items()}
+
+
+def stack_layers(params):
+  """The inverse of `unroll_layers`: `layers_0` ... `layers_{N-1}` stacked as `layers`."""
+  def stack(tree):
+    names = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k[7:]))
+    if not names:
+      return tree
+    rest = {k: v for k, v in tree.items() if not k.startswith("layers_")}
+    return {**rest, "layers": jax.tree_util.tree_map(lambda *x: jnp.stack(x),
+                                                     *[tree[k] for k in names])}
+  if "params" in params:
+    return {**params, "params": stack_layers(params["params"])}
+  return {k: stack(v) if k in ("encoder", "decoder") else v for k, v in params.items()}
 
 
 def count_params(params) -> int:

@@ -44,7 +44,7 @@ from jax import lax
 
 from seq2seq import kernels
 from seq2seq.config import TransformerConfig
-from seq2seq.decoding import EXTRA_LEN, as_key
+from seq2seq.decoding import EXTRA_LEN, as_key, decode_params, decoding_model
 from seq2seq.model import Transformer, head_weights, init_cache
 from seq2seq.search import (Beam, Greedy, Sample, Strategy, _check, _is_int, beam_carry,
                             beam_results, beam_step, sample_carry, sample_results,
@@ -91,6 +91,7 @@ def _fresh_carry(strategy: Strategy, state, rows: int, out_len: int, *, bos_id: 
   return dict(carry, i=jnp.zeros((rows,), jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnums=range(6), static_argnames=("bos_id", "pad_id"))
 def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: int,
                  out_len: int, ring: int, *, bos_id: int, pad_id: int) -> dict:
   """Every slot free: done, holding no source (id -1); source width `width`, output
@@ -108,8 +109,9 @@ def _empty_state(cfg: TransformerConfig, strategy: Strategy, slots: int, width: 
                src_valid=jnp.zeros((slots, width), bool),
                limit=jnp.zeros((slots,), jnp.int32), key=jnp.zeros((slots, 2), jnp.uint32),
                source=jnp.full((slots,), -1, jnp.int32), width=jnp.zeros((slots,), jnp.int32))
-  # One buffer per entry: the loop updates them in place (donated), so none may be shared.
-  return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
+  # One program (not an op at a time), whose outputs are one buffer per entry: the loop
+  # updates them in place (donated), so none may be shared.
+  return state
 
 
 _SEQS = ("seq", "alive_seq", "fin_seq")    # token buffers: BOS, then out_len tokens
@@ -168,7 +170,7 @@ def _loop_impl(params, head_w, head_b, state, queue, stop_free, narrow_to, *,
   slots were refilled, with their source ids, and how many; the results of the slots;
   steps: the loop's steps and busy slot-steps).
   """
-  model, ops = Transformer(cfg), kernels.get(cfg.kernels)
+  model, ops = decoding_model(cfg), kernels.get(cfg.kernels)
   slots, k = state["limit"].shape[0], _beam(strategy)
   ring = state["carry"]["state"][0]["k"].shape[2]
   out_len = state["carry"]["alive_seq" if isinstance(strategy, Beam) else "seq"].shape[-1] - 1
@@ -329,7 +331,7 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
   stats = StreamStats() if stats is None else stats
   ops = kernels.get(cfg.kernels)
   loop = _jitted_loop(tuple(sorted(ops.decode_compiler_options(cfg).items())))
-  params = ops.decode_params(cfg, params if "params" in params else {"params": params})
+  params = decode_params(cfg, params if "params" in params else {"params": params})
   w, head_b, w_is_VxD = head_weights(cfg, params["params"])
   head_w = (w.T if w_is_VxD else w).astype(cfg.dtype) if ops.decode_head else None
   keys = np.zeros((n, 2), np.uint32)

@@ -227,7 +227,7 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
   batches = Prefetch(iter(ds.train_batches(start)))
-  sched = schedule(cfg)
+  sched = jax.jit(schedule(cfg))   # for the log: one program, not one per operation
   n_dev = trainer.data_parallel
   _print(f"training {cfg.model.d_model}-d {cfg.model.num_encoder_layers}+"
          f"{cfg.model.num_decoder_layers}-layer model on {_train_pairs(ds):,} pairs, "

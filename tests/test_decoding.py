@@ -15,7 +15,7 @@ from seq2seq import search
 from seq2seq.kernels import cpu
 from seq2seq.search import Beam, Greedy, Sample
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer
+from seq2seq.model import Transformer, stack_layers, unroll_layers
 
 PAD, BOS = 0, 1
 V = 40
@@ -35,9 +35,11 @@ def _sources():
 
 def _random_params(seed, cfg=CFG):
   """Random weights of the right shapes, without compiling `init` (compiles dominate the
-  run time of this file): LayerNorm scales 1, everything else small normal noise."""
+  run time of this file): LayerNorm scales 1, everything else small normal noise; drawn
+  per layer, then stacked as `cfg` stores them (the same model whatever the layout)."""
   x = jnp.ones((1, 4), jnp.int32)
-  shapes = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), x, x)
+  shapes = jax.eval_shape(Transformer(cfg.replace(scan_layers=False)).init, jax.random.key(0),
+                          x, x)
   rng = np.random.default_rng(seed)
 
   def fill(path, leaf):
@@ -45,7 +47,8 @@ def _random_params(seed, cfg=CFG):
       return np.ones(leaf.shape, np.float32)
     std = cfg.d_model ** -0.5 if path[-1].key == "embedding" else 0.15
     return rng.normal(0.0, std, leaf.shape).astype(np.float32)
-  return jax.tree_util.tree_map_with_path(fill, shapes)
+  params = jax.tree_util.tree_map_with_path(fill, shapes)
+  return stack_layers(params) if cfg.scan_layers else params
 
 
 @pytest.fixture(scope="module")
@@ -281,10 +284,14 @@ def test_decode_params_casts_the_matrices_but_not_embeddings_or_vectors(params):
   """The cpu table's (a CPU decodes a few rows at a time, bound by reading the weights);
   the accelerator table leaves the params as they are."""
   cfg = CFG.replace(dtype="bfloat16", kernels="cpu")
-  assert dec.decode_params(cfg.replace(kernels="accelerator"), params) is params
+  unrolled = unroll_layers(params)
+  assert dec.decode_params(cfg.replace(kernels="accelerator"), unrolled) is unrolled
+  for a, b in zip(*(jax.tree_util.tree_leaves(dec.decode_params(
+      cfg.replace(kernels="accelerator"), p)) for p in (params, unrolled))):
+    np.testing.assert_array_equal(a, b)   # stacked layers come unrolled
   cast = dec.decode_params(cfg, params)
   leaves = jax.tree_util.tree_leaves_with_path(cast)
-  assert len(leaves) == len(jax.tree_util.tree_leaves(params))
+  assert len(leaves) == len(jax.tree_util.tree_leaves(unrolled))
   kinds = set()
   for path, x in leaves:
     name = path[-1].key
@@ -292,5 +299,5 @@ def test_decode_params_casts_the_matrices_but_not_embeddings_or_vectors(params):
     assert x.dtype == want, (jax.tree_util.keystr(path), x.dtype)
     kinds.add((name, x.dtype == jnp.bfloat16))
   assert {("embedding", False), ("kernel", True), ("bias", False)} <= kinds
-  assert dec.decode_params(CFG, params) is params        # float32: nothing to do
+  assert dec.decode_params(CFG, unrolled) is unrolled    # float32: nothing to do
   assert dec.decode_params(cfg, cast) is cast            # already cast: nothing to do

@@ -176,6 +176,30 @@ def test_sigkill_then_resume_is_bit_identical(corpus, trained, tmp_path):
   assert ckpt_lib.Checkpoints(workdir, read_only=True).steps()[-1] == 30
 
 
+def test_a_run_written_before_stacked_layers_resumes_and_decodes(corpus, trained, tmp_path):
+  """A workdir of one module per layer whose config.json has no `scan_layers` (as every run
+  written before the field): it resumes as that layout, bit-identical to the uninterrupted
+  run, and decode.py reads it."""
+  _, data_dir = trained
+  old, whole = tmp_path / "old", tmp_path / "whole"
+  unrolled = ["--config.model.scan_layers=false"]
+  run_train(tiny_args(corpus, old, data_dir, steps=10, extra=unrolled))
+  run_train(tiny_args(corpus, whole, data_dir, steps=20, extra=unrolled))
+  written = json.loads((old / "config.json").read_text())
+  del written["model"]["scan_layers"]
+  (old / "config.json").write_text(json.dumps(written))
+  p = run_train(tiny_args(corpus, old, data_dir, steps=20))
+  assert "(step 10)" in p.stderr
+  a, b = params_of(old, 20), params_of(whole, 20)
+  assert "layers_0" in a["encoder"]
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  d = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--workdir", str(old),
+                      "--no_progress", "one hundred and two"], capture_output=True, text=True,
+                     timeout=240, cwd=str(ROOT))
+  assert d.returncode == 0 and d.stdout.strip(), d.stderr[-2000:]
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_sigterm_and_ctrl_c_save_and_exit_cleanly(corpus, trained, tmp_path, signum, code):
   """SIGTERM (preemption) and Ctrl-C save a checkpoint at the step they arrive in, then exit

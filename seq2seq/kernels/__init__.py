@@ -11,7 +11,8 @@ implementation answers. Every table computes the same function (tests/test_kerne
                C++ (kernels/native.py, built on first use where a C++ compiler is) a
                decode step's attention and beam search's top-k and logsumexp
   accelerator  the reference path with jax.nn.dot_product_attention (cuDNN flash attention
-               on GPUs that have it)
+               on GPUs that have it) and the cpu table's hash dropout masks (a few integer
+               ops per element, where threefry's bits compile to many kernels)
   auto         cpu on a CPU backend, accelerator on GPU and TPU
 
 Parameters and checkpoints are the same whichever answers.
@@ -64,6 +65,9 @@ class Kernels:
   # hypothesis's keys through a table of rows (model.init_cache(rows=True)) instead of
   # moving every beam's cache to its new beam at each step
   beam_rows: Callable = lambda cfg: False
+  # scan_unroll(n) -> how many of a stack's n layers (model.scan_layers) each iteration of
+  # its compiled loop runs: 1 compiles the layer once; n lays every layer out in the program
+  scan_unroll: Callable = lambda n: 1
 
 
 def reading_rows(attention: Callable) -> Callable:
@@ -104,9 +108,11 @@ CPU = Kernels("cpu", dense=cpu.dense, attention=sharing_keys(cpu.attention),
               argmax=cpu.argmax, top_k_logsumexp=cpu.top_k_logsumexp,
               decode_params=cpu.decode_params, decode_head=cpu.decode_head,
               decode_compiler_options=cpu.decode_compiler_options, cache_dtype=cpu.cache_dtype,
-              cache_store=cpu.cache_store, beam_rows=cpu.beam_rows)
+              cache_store=cpu.cache_store, beam_rows=cpu.beam_rows,
+              scan_unroll=cpu.scan_unroll)
 ACCELERATOR = dataclasses.replace(REFERENCE, name="accelerator",
-                                  attention=sharing_keys(reading_rows(accelerator.attention)))
+                                  attention=sharing_keys(reading_rows(accelerator.attention)),
+                                  dropout_keep=cpu.dropout_keep)
 _TABLES = {k.name: k for k in (REFERENCE, CPU, ACCELERATOR)}
 
 
