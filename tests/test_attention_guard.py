@@ -56,6 +56,7 @@ def _as_seen_on_h100(q, mask):
 def fake_cudnn(monkeypatch):
   """Makes `fails` the rows cuDNN's dq gets wrong, and lets cuDNN take any input."""
   monkeypatch.setattr(acc, "_VERDICTS", {})
+  monkeypatch.setattr(acc, "_verdicts_file", lambda: None)   # none kept between tests
   monkeypatch.setattr(acc, "unqualified", lambda q, mask=None: None)
   monkeypatch.delenv(acc.ENV, raising=False)
 
@@ -198,3 +199,26 @@ def test_a_step_non_finite_on_cudnn_is_redone_on_xla(fake_cudnn, tmp_path, capsy
   assert netted.train_metrics["loss"] == plain.train_metrics["loss"]
   for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_verdicts_are_kept_for_the_next_run_on_the_same_machine(fake_cudnn, tmp_path,
+                                                                monkeypatch):
+  """A form probed once is not probed again by a later process (the verdicts file beside
+  the compile cache), a move to XLA is kept too, and another machine (device, versions)
+  probes for itself."""
+  monkeypatch.setattr(acc, "_verdicts_file", lambda: tmp_path / "attention_verdicts.json")
+  fake_cudnn(lambda q, mask: jnp.zeros(q.shape[:2], bool))
+  probes = []
+  real_probe = acc._probe
+  monkeypatch.setattr(acc, "_probe", lambda *a, **kw: probes.append(kw) or real_probe(*a, **kw))
+  x, mask = jnp.ones((8, 32, 2, 16), jnp.bfloat16), jnp.ones((8, 1, 32, 32), bool)
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
+  monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
+  acc.move_training_to_xla("test")
+  monkeypatch.setattr(acc, "_VERDICTS", {})
+  assert acc.choose(x, x, mask) == ("cudnn", "xla") and len(probes) == 2
+  monkeypatch.setattr(acc, "_machine", lambda: "another GPU")
+  monkeypatch.setattr(acc, "_VERDICTS", {})
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 4
+  assert (tmp_path / "attention_verdicts.json").exists()

@@ -229,6 +229,7 @@ def _fake_cudnn(monkeypatch, fake):
   acc = kernels.accelerator
   real = acc._call
   monkeypatch.setattr(acc, "_VERDICTS", {})
+  monkeypatch.setattr(acc, "_verdicts_file", lambda: None)   # none kept between tests
   monkeypatch.setattr(acc, "unqualified", lambda q, mask=None: None)
   monkeypatch.setattr(acc, "_call", lambda impl, q, k, v, mask: (
       fake(q, k, v, mask) if impl == "cudnn" else real(impl, q, k, v, mask)))

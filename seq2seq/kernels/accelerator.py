@@ -1,8 +1,10 @@
 """Attention on GPU/TPU: `jax.nn.dot_product_attention`, with its implementation named.
 
 Left to itself (`implementation=None`), jax.nn runs XLA's own attention, never cuDNN's. Here
-the choice is made per form of call (dtype, heads, head size, query and key lengths' parity,
-mask form), once per process:
+the choice is made per form of call (dtype, heads, head size, query and key lengths, mask
+form), once per machine: the verdicts are kept beside the compile cache
+(attention_verdicts.json, by device and JAX and cuDNN versions), so a later run probes
+nothing, and a later run's first step comes from the compile cache alone.
 
   cudnn  cuDNN's fused (flash) attention, on an NVIDIA GPU, for bf16/fp16 inputs whose head
          size is a multiple of 8 (at most 256), when a probe of that form (its own query and
@@ -30,7 +32,9 @@ errors surface: for checking it on a new machine).
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -195,10 +199,13 @@ def choose(q_BxQxHxD, k_BxKxHxD, mask=None) -> tuple[str, str]:
     return "xla", "xla"
   key = _signature(q_BxQxHxD, k_BxKxHxD, mask)
   if key not in _VERDICTS:
+    _VERDICTS[key] = _stored().get(_key_text(key)) or {}
+  if not _VERDICTS[key]:
     fwd = _probe(q_BxQxHxD, k_BxKxHxD, mask, train=False)
     train = _probe(q_BxQxHxD, k_BxKxHxD, mask, train=True) if fwd[0] else \
         (False, "forward failed")
     _VERDICTS[key] = {"forward": fwd, "train": train}
+    _store(key)
   v = _VERDICTS[key]
   return ("cudnn" if v["forward"][0] else "xla"), ("cudnn" if v["train"][0] else "xla")
 
@@ -215,7 +222,57 @@ def move_training_to_xla(reason: str) -> list[tuple]:
   moved = training_on_cudnn()
   for key in moved:
     _VERDICTS[key] = dict(_VERDICTS[key], train=(False, reason))
+    _store(key)
   return moved
+
+
+# --- verdicts kept beside the compile cache: a later run on this machine probes nothing -----
+
+def _verdicts_file() -> Path | None:
+  """attention_verdicts.json in the compile cache's directory (none without one)."""
+  where = jax.config.jax_compilation_cache_dir
+  return Path(where) / "attention_verdicts.json" if where else None
+
+
+def _machine() -> str:
+  """What a verdict holds for: the device, JAX's versions and cuDNN's."""
+  try:
+    from jax._src.lib import cuda_versions
+    cudnn = cuda_versions.cudnn_get_version() if cuda_versions else None
+  except Exception:   # noqa: BLE001 - no CUDA build
+    cudnn = None
+  import jaxlib
+  return (f"{jax.devices()[0].device_kind}; jax {jax.__version__}, jaxlib {jaxlib.__version__},"
+          f" cuDNN {cudnn}")
+
+
+def _key_text(key: tuple) -> str:
+  return json.dumps(list(key))
+
+
+def _stored() -> dict:
+  """This machine's stored verdicts, by form ({} when there are none or they are unreadable)."""
+  path = _verdicts_file()
+  try:
+    return json.loads(path.read_text()).get(_machine(), {}) if path else {}
+  except (OSError, ValueError, AttributeError):
+    return {}
+
+
+def _store(key: tuple) -> None:
+  """Writes `key`'s verdict for this machine (atomically; a cache that cannot be written is
+  no error)."""
+  path = _verdicts_file()
+  if path is None:
+    return
+  try:
+    every = json.loads(path.read_text()) if path.exists() else {}
+    every.setdefault(_machine(), {})[_key_text(key)] = _VERDICTS[key]
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(every, indent=1))
+    os.replace(tmp, path)
+  except (OSError, ValueError, AttributeError):
+    pass
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
