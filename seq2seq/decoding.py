@@ -52,6 +52,8 @@ def transformer_tokens_to_logits(model: Transformer, variables, src_BxS, *, max_
   full_recompute: the benchmark's baseline; re-runs the teacher-forced decoder on the whole
   [rows, max_len] buffer every step (causal masking makes it equal) and keeps no state.
   """
+  if model.config.scan_layers:   # decode steps read one module per layer
+    model, variables = decoding_model(model.config), unroll_layers(variables)
   cfg = model.config
   encoded_BxSxD = model.apply(variables, src_BxS, method=Transformer.encode)
   if full_recompute:

@@ -22,7 +22,8 @@ ROWS, BEAMS, CACHE_LEN, SRC_LEN = 3, 2, 7, 5
 
 def _cfg(dtype):
   return seq2seq.get_config("tiny", vocab_size=53).replace(
-      d_model=32, num_heads=4, d_ff=48, num_decoder_layers=2, dropout_rate=0.0, dtype=dtype)
+      d_model=32, num_heads=4, d_ff=48, num_decoder_layers=2, dropout_rate=0.0, dtype=dtype,
+      scan_layers=False)   # one module per layer, as decode steps run
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -201,11 +201,14 @@ def test_the_dry_run_measures_speed_and_records_missing_peers_as_skipped(dry_run
 
 @pytest.mark.slow   # the whole command: ~50 s of CPU time
 def test_the_dry_run_trains_decodes_and_resumes_with_another_batch(dry_run):
-  """bible: train.py --config bible_gpu (shrunk) and decode.py beam 4 with BLEU; oom: the
-  resume's exit code and last line, and every checkpoint loading alike before and after."""
+  """bible: train.py --config bible_gpu (shrunk), its first step's time, decode.py beam 4
+  with BLEU, and a second run's first step (from the compile cache); oom: the resume's exit
+  code and last line, and every checkpoint loading alike before and after."""
   _, out, work = dry_run
   b = _stage(out, "bible")
   assert b["status"] == "ok" and b["summary"]["step"] == 2
+  assert b["summary"]["first_step_s"] > 0 and b["summary"]["first_step_cached_s"] > 0
+  assert "redone_on_xla" not in b["summary"]
   assert {"validation", "test"} <= set(b["summary"]) and b["summary"]["lines"] == TEST_LINES
   assert isinstance(b["summary"]["bleu"], float) and b["summary"]["meets_bleu_goal"] is False
   assert json.loads((work / "bible" / "config.json").read_text())["model"]["dtype"] == \
