@@ -313,7 +313,8 @@ def get_experiment(name: str = "numbers") -> Config:
     # python train.py --workdir runs/bible --config small_cpu --config.model.dtype=bfloat16 \
     #     --train_files data/bible/train --validation_files data/bible/validation \
     #     --test_files data/bible/test        (data: python -m seq2seq.data.bible data/bible)
-    # ~31 min on 2 CPU cores (AVX512-BF16); test BLEU 17.5 greedy, 18.7 beam 4 (18.8 with the exact stop rule).
+    # ~31 min on 2 CPU cores (AVX512-BF16); test BLEU 17.5 greedy, 18.8 beam 4 (18.7 with
+    # beam search's `count` stop rule).
     # Not the paper's recipe, which needs far more compute: 64 packed rows of 64 tokens per
     # batch, warmup 400 steps to a higher peak (scale 0.7), a cooldown over the last 500
     # steps, and dropout on the FFN's hidden units too.
@@ -333,7 +334,8 @@ def get_experiment(name: str = "numbers") -> Config:
     # For one datacenter GPU (an H100): the base model in bf16 on the Bible, 4,000 steps of
     # 128 packed rows of 64 tokens (~30M target tokens, ~25 passes over the corpus, 3.5x
     # small_cpu's), planned to train in under 5 minutes and reach test BLEU >= 25 with
-    # beam 4. Not measured yet: bench/gpu/run.sh bible measures both. Otherwise
+    # beam 4. Not measured yet (its one try, on an H100, stopped at step 1 on cuDNN's
+    # attention, fixed since): bench/gpu/run.sh bible measures both. Otherwise
     # small_cpu's recipe scaled to base: dropout 0.2 on sublayers and 0.1 on the FFN's hidden
     # units (none on attention weights, so the accelerator kernels answer), warmup 800 to a
     # peak of 1.1e-3, a cooldown over the last 1,000 steps.
