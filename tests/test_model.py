@@ -417,9 +417,9 @@ def test_scanned_layers_compute_what_one_module_per_layer_computes(pre_ln):
   def loss(c, p):
     logits = Transformer(c).apply({"params": p}, src, tgt)
     return (logits * jnp.sin(jnp.arange(logits.size).reshape(logits.shape))).sum(), logits
-  (_, y_s), g_s = jax.value_and_grad(lambda p: loss(cfg, p), has_aux=True)(stacked)
-  (_, y_u), g_u = jax.value_and_grad(lambda p: loss(UNROLLED.replace(pre_ln=pre_ln), p),
-                                     has_aux=True)(unrolled)
+  (_, y_s), g_s = jax.jit(jax.value_and_grad(lambda p: loss(cfg, p), has_aux=True))(stacked)
+  (_, y_u), g_u = jax.jit(jax.value_and_grad(
+      lambda p: loss(UNROLLED.replace(pre_ln=pre_ln), p), has_aux=True))(unrolled)
   np.testing.assert_allclose(y_s, y_u, atol=1e-5)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_s),
                           jax.tree_util.tree_leaves(stack_layers(g_u))):
@@ -442,9 +442,9 @@ def _train_step_ops(layers: int, scan: bool) -> int:
 
 def test_a_train_step_traces_each_layer_once():
   """With scan_layers the train step's program (the compiler's work) hardly grows with the
-  number of layers (2 -> 6: under 5%); with one module per layer it grows by every
+  number of layers (1 -> 3: under 5%); with one module per layer it grows by every
   layer's ops."""
-  scanned = [_train_step_ops(n, True) for n in (2, 6)]
-  unrolled = [_train_step_ops(n, False) for n in (2, 6)]
+  scanned = [_train_step_ops(n, True) for n in (1, 3)]
+  unrolled = [_train_step_ops(n, False) for n in (1, 3)]
   assert scanned[1] < 1.05 * scanned[0], scanned
-  assert unrolled[1] > 2 * unrolled[0] and scanned[1] < unrolled[1] / 3, (scanned, unrolled)
+  assert unrolled[1] > 2 * unrolled[0] and scanned[1] < unrolled[1] / 2, (scanned, unrolled)
