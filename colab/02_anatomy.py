@@ -151,7 +151,7 @@ from seq2seq import train_lib
 from seq2seq.load import load_workdir
 from seq2seq.config import get_experiment, override
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer
+from seq2seq.model import Transformer, unroll_layers
 
 def recipe():
   """The run of `python train.py` (the "numbers" experiment), data under ROOT."""
@@ -170,7 +170,11 @@ except UserError:                                 # none yet: train it here (a f
   print(train_lib.summary(train_lib.train(recipe(), str(WORKDIR), progress=False,
                                           on_log=log_line)))
   cfg, params, tokenizer = load_workdir(WORKDIR)
-mc = cfg.model.replace(kernels="reference")       # plain JAX, as the paper writes it
+# Plain JAX, as the paper writes it, one module per layer: training traced each stack's
+# layer once and kept its parameters stacked (`scan_layers`); `unroll_layers` gives each
+# layer its own, to look at one at a time.
+mc = cfg.model.replace(kernels="reference", scan_layers=False)
+params = unroll_layers(params)
 model = Transformer(mc)
 variables = {"params": params}
 BOS, EOS, V = tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size

@@ -150,7 +150,7 @@ from seq2seq import train_lib
 from seq2seq.load import load_workdir
 from seq2seq.config import get_experiment, override
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer
+from seq2seq.model import Transformer, unroll_layers
 
 def recipe():
   """The run of `python train.py` (the "numbers" experiment), data under ROOT."""
@@ -169,8 +169,9 @@ except UserError:                                 # none yet: train it here (a f
   print(train_lib.summary(train_lib.train(recipe(), str(WORKDIR), progress=False,
                                           on_log=log_line)))
   cfg, params, tokenizer = load_workdir(WORKDIR)
-model = Transformer(cfg.model)
-variables = {"params": params}
+# Decode steps run one module per layer (training kept each stack's layers stacked).
+model = Transformer(cfg.model.replace(scan_layers=False))
+variables = {"params": unroll_layers(params)}
 BOS, EOS = tokenizer.bos_id, tokenizer.eos_id
 print(f"{seq2seq.count_params(params):,} parameters; d_model {cfg.model.d_model}, "
       f"{cfg.model.num_heads} heads, {cfg.model.num_encoder_layers}+{cfg.model.num_decoder_layers} "

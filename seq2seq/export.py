@@ -119,6 +119,8 @@ def ctranslate2_spec(cfg, params, tokenizer):
   _import_ctranslate2()
   from ctranslate2.specs import common_spec, transformer_spec
   from seq2seq.layers import sinusoidal_positions
+  from seq2seq.model import unroll_layers
+  params = unroll_layers(params)   # one spec per layer
 
   if tokenizer.vocab_size != cfg.vocab_size:
     raise UserError(f"the model has {cfg.vocab_size} token ids but vocab.model holds "

@@ -11,15 +11,15 @@ import orbax.checkpoint as ocp
 
 from seq2seq.checkpoint import Checkpoints, local_abstract_state
 from seq2seq.errors import UserError
-from seq2seq.model import unroll_layers
 from seq2seq.workdir import Workdir
 
 
 def load_workdir(workdir: Workdir | str | os.PathLike, step: int | None = None):
   """(config, params, tokenizer) from a workdir written by train.py, on the default device.
-  The parameters have one module per layer (`layers_0`, ...), however the run stacked them
-  to train (model.scan_layers: the config returned says False). The tokenizer normalises
-  sources as the run's data config says (data.lowercase_source)."""
+  The parameters are laid out as the config says: each stack's layers stacked on a leading
+  axis (model.scan_layers) or one module per layer (`model.unroll_layers` gives the
+  latter; decoding takes either). The tokenizer normalises sources as the run's data
+  config says (data.lowercase_source)."""
   with _quiet_orbax():
     return _load(Workdir.checked(workdir), step)
 
@@ -46,9 +46,6 @@ def _load(wd: Workdir, step: int | None):
   if restored is None:
     raise UserError(f"{wd}: no readable checkpoint (all were skipped)")
   params, _ = restored
-  if cfg.model.scan_layers:
-    params = jax.jit(unroll_layers)(params)
-    cfg = cfg.replace(model=cfg.model.replace(scan_layers=False))
   return cfg, params, Tokenizer.load(str(wd.vocab), lowercase_source=cfg.data.lowercase_source)
 
 

@@ -203,7 +203,8 @@ class Workdir:
     for section in ("model", "data"):
       a, b = getattr(old, section), getattr(cfg, section)
       if section == "model":  # the vocabulary size is derived from the data; the kernels
-        b = b.replace(vocab_size=a.vocab_size, kernels=a.kernels)  # compute the same model
+        # compute the same model; the layers keep the layout the checkpoints hold
+        b = b.replace(vocab_size=a.vocab_size, kernels=a.kernels, scan_layers=a.scan_layers)
       else:                   # a run stored before paths were made absolute
         a = a.with_absolute_paths()
       if a != b:

@@ -29,7 +29,7 @@ from seq2seq import decoding, kernels, search, train_lib
 from seq2seq.config import Config, TrainConfig
 from seq2seq.kernels import cpu, cpu_head, reference
 from seq2seq.losses import accuracy, cross_entropy
-from seq2seq.model import Transformer
+from seq2seq.model import Transformer, stack_layers
 
 FAST = ("cpu", "accelerator")
 
@@ -453,13 +453,15 @@ def _model_config(table, dtype, pre_ln, dropout=0.0):
 
 
 def _params(pre_ln: bool, seed=0):
-  cfg = _model_config("reference", "float32", pre_ln)
+  """Initialised one module per layer, then stacked as the tables' models keep them (the
+  same random model whatever the layout)."""
+  cfg = _model_config("reference", "float32", pre_ln).replace(scan_layers=False)
   p = jax.jit(Transformer(cfg).init)(jax.random.key(seed), jnp.ones((1, 8), jnp.int32),
                                      jnp.ones((1, 8), jnp.int32))["params"]
   # Non-zero biases and LayerNorm parameters, so a kernel that drops one is seen.
   rng = np.random.default_rng(seed)
-  return jax.tree_util.tree_map(
-      lambda x: x + 0.1 * rng.normal(size=x.shape).astype(np.float32), p)
+  return stack_layers(jax.tree_util.tree_map(
+      lambda x: x + 0.1 * rng.normal(size=x.shape).astype(np.float32), p))
 
 
 def _everything(table, dtype, pre_ln, packed, params, dropout=0.0, even=False,

@@ -240,8 +240,8 @@ def test_train_step_applies_adam_when_finite_and_skips_a_nonfinite_step():
     np.testing.assert_allclose(a, b, atol=1e-3 * size)
 
   bad = new.replace(params=jax.tree_util.tree_map(lambda p: p, new.params))
-  bad.params["decoder"]["layers_0"]["ffn"]["wo"]["kernel"] = (
-      bad.params["decoder"]["layers_0"]["ffn"]["wo"]["kernel"].at[0, 0].set(jnp.inf))
+  bad.params["decoder"]["layers"]["ffn"]["wo"]["kernel"] = (       # layer 0's
+      bad.params["decoder"]["layers"]["ffn"]["wo"]["kernel"].at[0, 0, 0].set(jnp.inf))
   after, m2 = step(bad, batch)
   assert not np.isfinite(float(m2["loss_sum"]))
   assert int(after.step) == 2 and int(m2["first_bad_step"]) == 2
