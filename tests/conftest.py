@@ -41,6 +41,12 @@ def compile_cache(tmp_path_factory):
     os.environ["SEQ2SEQ_COMPILE_CACHE"] = str(_session_dir(tmp_path_factory) / "jax_cache")
   if "SEQ2SEQ_NATIVE_DIR" not in os.environ:   # the C++ kernels, built once per session
     os.environ["SEQ2SEQ_NATIVE_DIR"] = str(_session_dir(tmp_path_factory) / "native")
+  # The scripts the tests start keep every program, however quick to compile (XLA:CPU's
+  # quick code generation above makes most take under JAX's default 1 s): they compile the
+  # same ones again and again (test_train.py and test_decode_cli.py: 5 min 14 s -> 4 min
+  # 47 s). Not the tests' own process (JAX read its setting on import), whose eager
+  # operations would each be written to disk (the fast tier: 1.7x the time).
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   from seq2seq import compile_cache  # the tests' own programs too: many compile alike
   compile_cache.enable()
 
@@ -73,8 +79,17 @@ def default_run(tmp_path_factory):
 TRAINING_FIXTURES = {"default_run", "trained", "workdir"}
 
 
+# The files that take longest, first: with one file per worker (`--dist loadfile`) a long
+# file started last keeps the run going while the other workers wait.
+LONGEST_FIRST = ("test_train", "test_export", "test_kernels", "test_notebooks",
+                 "test_gpu_script", "test_decode_cli", "test_model", "test_slots",
+                 "test_native", "test_scorecard")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
   for item in items:
     if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
       item.add_marker(pytest.mark.slow)
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: files' order

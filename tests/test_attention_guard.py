@@ -86,7 +86,7 @@ def _packed_batch(B=4, L=64, seed=0):
 def _cfg(dtype="bfloat16"):
   mc = seq2seq.get_config("tiny", vocab_size=29).replace(
       dropout_rate=0.0, kernels="accelerator", dtype=dtype, d_model=32, num_heads=2,
-      d_ff=64, max_len=64)
+      d_ff=64, max_len=64, num_encoder_layers=1, num_decoder_layers=1)
   return Config(model=mc, train=TrainConfig(warmup_steps=5, batch_size=4, seq_len=64))
 
 
@@ -111,7 +111,7 @@ def test_no_attention_call_gets_a_query_with_no_allowed_key(monkeypatch):
       batch["src_positions"], batch["tgt_positions"])
   enc = np.asarray(model_lib.encoder_mask(batch["src"], batch["src_segments"]))
   assert (~enc.any(-1)).sum() > 64, "the batch has padding queries"
-  assert len(seen) == 2 * 2 + 2 and all(m.any(-1).all() for m in seen)
+  assert len(seen) == 1 + 2 and all(m.any(-1).all() for m in seen)
   real = enc.any(-1, keepdims=True)
   np.testing.assert_array_equal(np.broadcast_to(seen[0], enc.shape) & real, enc)
 
@@ -147,14 +147,14 @@ def test_the_fake_fails_as_reported_and_the_model_never_meets_it(fake_cudnn):
 
 def test_the_probe_tries_each_form_at_its_own_lengths_with_padding_rows(fake_cudnn):
   """A cuDNN that fails only at lengths of 64 mod 128 is refused at 64 and 192 and taken at
-  16 and 128 (one probe per length, not per parity); the probe's masks hold padding
+  16 (one probe per length, not per parity); the probe's masks hold padding
   queries (opened), packed examples and an empty row, as the model's do."""
   fake_cudnn(lambda q, mask: jnp.broadcast_to(mask.shape[-1] % 128 == 64, q.shape[:2]))
-  for length, ok in ((16, True), (64, False), (128, True), (192, False)):
+  for length, ok in ((16, True), (64, False), (192, False)):
     x = jnp.ones((8, length, 2, 16), jnp.bfloat16)
     mask = jnp.ones((8, 1, length, length), bool)
     assert acc.choose(x, x, mask)[1] == ("cudnn" if ok else "xla"), length
-  assert len(acc.verdicts()) == 4
+  assert len(acc.verdicts()) == 3
   rng = np.random.default_rng(0)
   m = acc._probe_mask(3, 64, 64, rng)
   empty = ~m.any(-1)[:, 0]                                   # [rows, Q]
@@ -186,6 +186,7 @@ def _train(tmp_path, name, steps=4):
   return result, load_workdir(tmp_path / name)[1]
 
 
+@pytest.mark.slow   # two training runs (~15-25 s on 2 cores)
 def test_a_step_non_finite_on_cudnn_is_redone_on_xla(fake_cudnn, tmp_path, capsys):
   """A cuDNN whose probe passes (3 rows) but whose gradients are NaN on the run's batches
   (4 rows): the run says so in one line, moves to XLA's attention, redoes the step and

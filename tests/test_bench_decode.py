@@ -26,6 +26,7 @@ def _cfg(dtype):
       scan_layers=False)   # one module per layer, as decode steps run
 
 
+@pytest.mark.slow   # traces and counts a decode step per dtype (~4 s each)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_cost_matches_the_step_jaxpr_and_the_arrays_it_reads(dtype):
   cfg = _cfg(dtype)

@@ -152,6 +152,7 @@ def test_gpu_and_dry_batches_are_rows_of_the_corpus_pairs_packed_as_train_py_pac
 
 
 
+@pytest.mark.slow   # runs the benchmark's train steps
 def test_a_step_with_a_non_finite_loss_fails_the_row_and_tokens_are_the_real_ones(
     tmp_path, monkeypatch):
   """run_one on the dry workload's packed rows: the target tokens it counts are the batches'

@@ -144,6 +144,7 @@ def beam(params, ref):
   return dec.decode(CFG, params, ref["src"], BEAM, eos_id=ref["eos"], **BEAM_KW)
 
 
+@pytest.mark.slow   # compiles a decode loop per length and strategy
 def test_batch_of_different_lengths_decodes_as_each_alone(params, ref, greedy, beam):
   alone_src = ref["src"][1:2, :SRC_LENS[1]]             # unpadded, so a shorter buffer
   alone = _greedy(params, alone_src, ref["eos"])
@@ -176,6 +177,7 @@ def test_cached_beam_equals_full_recompute_beam(params, ref, beam):
   assert all(len({tuple(h) for h in row}) == 3 for row in beam.tokens)  # distinct
 
 
+@pytest.mark.slow   # beam search with and without a cache, over three phases (~5 s)
 def test_cached_beam_over_three_cache_phases_equals_full_recompute(params, ref):
   """40 steps: the cache grows 16 -> 24 -> 40 slots (`cache_phases`) as beams reorder it."""
   kw = dict(BEAM_KW, max_len=40, min_len=40)
@@ -198,7 +200,7 @@ def test_params_are_an_argument_not_a_constant(params, ref, greedy):
   np.testing.assert_array_equal(c.tokens, a.tokens[::-1])
 
 
-@pytest.mark.parametrize("dots", ["xla", "ynnpack"])
+@pytest.mark.parametrize("dots", [pytest.param("xla", marks=pytest.mark.slow), "ynnpack"])
 def test_f32_loop_decodes_the_same_with_either_dot_library(params, ref, greedy, beam, dots,
                                                            monkeypatch):
   """The f32 loop's dots go to XLA's own emitter (no AVX-512) or to YNNPACK (AVX-512);

@@ -123,7 +123,8 @@ def ct2_log_probs(translator, tok, pairs) -> list[np.ndarray]:
                  marks=pytest.mark.slow),
     pytest.param(dict(pre_ln=True, share_embeddings=True, tie_output=False),
                  marks=pytest.mark.slow),
-    dict(pre_ln=True, share_embeddings=False, tie_output=True),
+    pytest.param(dict(pre_ln=True, share_embeddings=False, tie_output=True),
+                 marks=pytest.mark.slow),
 ], ids=["post_ln", "post_ln-separate-untied", "pre_ln-untied", "pre_ln-separate"])
 def test_ct2_log_probs_and_greedy_tokens_equal_ours(model, vocab, tmp_path, capsys):
   cfg, params, tok = write_workdir(tmp_path / "w", vocab, **model)
@@ -305,6 +306,7 @@ def _bench_module(name):
     sys.path.remove(str(ROOT / "bench"))
 
 
+@pytest.mark.slow   # the CTranslate2 benchmark's own model (~4 s)
 def test_bench_peer_model_is_ours(tmp_path):
   """The peer benchmark cannot import seq2seq: its parameters (perturbed, so that biases and
   LayerNorms count) go through our Transformer and through the CTranslate2 model it writes,
@@ -353,6 +355,7 @@ def test_bench_peer_model_is_ours(tmp_path):
   assert want[:, -1].tolist() == [EOS_ID] * 16
 
 
+@pytest.mark.slow   # the CTranslate2 benchmark's own model (~4 s)
 def test_bench_peer_init_scales_are_ours():
   """The peer's random weights have our initialisers' scales (per parameter, `small`)."""
   from seq2seq.config import get_config

@@ -324,6 +324,7 @@ def test_sigterm_ends_the_running_step_and_says_so_in_run_json(tmp_path):
   assert json.loads((tmp_path / "run.json").read_text())["stopped_by_signal"] == signal.SIGTERM
 
 
+@pytest.mark.slow   # starts the GPU script
 def test_a_failing_step_fails_its_stage_and_the_command(tmp_path, monkeypatch):
   """A step that exits with a code not its own, passes its time limit or prints what its
   parser cannot read fails its stage, which run.json names, and the command exits 1; a

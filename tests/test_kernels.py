@@ -252,7 +252,8 @@ _forward_only.defvjp(lambda q, k, v, mask: (_forward_only(q, k, v, mask), None),
 @pytest.mark.parametrize("fake, forward, train", [
     (_xla, "cudnn", "cudnn"),
     (_forward_only, "cudnn", "xla"),
-    (lambda q, k, v, mask: _xla(q, k, v, mask) * 1.1, "xla", "xla"),         # wrong numbers
+    pytest.param(lambda q, k, v, mask: _xla(q, k, v, mask) * 1.1, "xla", "xla",   # wrong
+                 marks=pytest.mark.slow),                                           # numbers
     (lambda q, k, v, mask: _xla(q, k, v, mask) * jnp.nan, "xla", "xla"),     # NaN
     (lambda q, k, v, mask: (_ for _ in ()).throw(ValueError("refused")), "xla", "xla"),
 ])
@@ -598,7 +599,9 @@ def test_with_the_same_dropout_masks_the_training_step_is_the_same(params, monke
   assert abs(want["loss"] - no_dropout["loss"]) > 1e-3      # dropout really was on
 
 
-@pytest.mark.parametrize("perturb", ["attention", "dense", "head_loss"])
+@pytest.mark.parametrize("perturb", [   # each compiles two train steps: one in the fast tier
+    "attention", pytest.param("dense", marks=pytest.mark.slow),
+    pytest.param("head_loss", marks=pytest.mark.slow)])
 def test_a_perturbed_kernel_is_caught(params, monkeypatch, perturb):
   """The comparison above can fail: a kernel off by a little (attention scores scaled by
   1.02, a matmul's output by 1.001, the fused loss by 1.0001) is told apart."""
@@ -637,7 +640,8 @@ def test_the_bf16_comparison_takes_other_roundings_but_not_a_wrong_kernel(params
 def test_parameters_are_the_same_whichever_table():
   """Checkpoints move between tables: the same init gives the same tree and values."""
   dummy = jnp.ones((1, 8), jnp.int32)
-  trees = [Transformer(_model_config(t, "float32", False)).init(jax.random.key(0), dummy, dummy)
+  trees = [jax.jit(Transformer(_model_config(t, "float32", False)).init)(jax.random.key(0),
+                                                                          dummy, dummy)
            for t in ("reference",) + FAST]
   for other in trees[1:]:
     assert jax.tree_util.tree_structure(other) == jax.tree_util.tree_structure(trees[0])

@@ -176,8 +176,9 @@ def test_tiny_model_learns_to_reverse_sequences():
   assert accs[0] < 0.5  # it really had to learn
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(tie_output=False),
-                                     dict(share_embeddings=False, tie_output=True)])
+@pytest.mark.parametrize("variant", [   # each compiles two train steps: one in the fast tier
+    dict(), pytest.param(dict(tie_output=False), marks=pytest.mark.slow),
+    pytest.param(dict(share_embeddings=False, tie_output=True), marks=pytest.mark.slow)])
 def test_train_step_loss_equals_readable_path_for_every_head_variant(variant):
   """The train/eval step's loss (on CPU the fused head + loss of kernels/cpu_head.py) equals
   logits from `model.apply` followed by `cross_entropy` / `accuracy`, for the tied head, an

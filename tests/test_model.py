@@ -56,7 +56,7 @@ def test_untied_and_unshared_variants():
   p = _init(cfg, src, tgt)["params"]
   assert {"src_embed", "tgt_embed", "logits_dense"} <= set(p)
   assert "bias" in p["logits_dense"]
-  out = Transformer(cfg).apply({"params": p}, src, tgt)
+  out = jax.jit(Transformer(cfg).apply)({"params": p}, src, tgt)
   assert out.shape == (3, 6, 37)
 
 
@@ -118,7 +118,7 @@ def test_add_and_norm(pre_ln):
   np.testing.assert_allclose(mod.apply(p, x, f), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("pre_ln", [False, True])
+@pytest.mark.parametrize("pre_ln", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_decoder_is_causal(pre_ln):
   cfg = CFG.replace(pre_ln=pre_ln)
   src, tgt = _batch()
@@ -145,7 +145,7 @@ def test_encoder_sees_the_whole_source(pre_ln):
   np.testing.assert_array_equal(a[1:], b[1:])   # other rows are their own examples
 
 
-@pytest.mark.parametrize("pre_ln", [False, True])
+@pytest.mark.parametrize("pre_ln", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_each_stack_ends_layer_normalised(pre_ln):
   """Post-LN ends each stack with its last Add & Norm; pre-LN, whose residual stream is never
   normalised, needs a final LayerNorm on the encoder and on the decoder. At initialisation
@@ -245,6 +245,7 @@ def test_packed_row_equals_examples_alone():
   np.testing.assert_allclose(packed[0, 3:8], b[0], atol=1e-5)
 
 
+@pytest.mark.slow   # the whole model op by op (~7 s)
 def test_jit_equals_eager_and_gradients_are_finite():
   src, tgt = _batch()
   cfg = CFG.replace(dropout_rate=0.1)
@@ -268,11 +269,11 @@ def test_dropout_only_in_training():
   src, tgt = _batch()
   cfg = CFG.replace(dropout_rate=0.3)
   params = _init(cfg, src, tgt)
-  model = Transformer(cfg)
-  a = model.apply(params, src, tgt, train=True, rngs={"dropout": jax.random.key(0)})
-  b = model.apply(params, src, tgt, train=True, rngs={"dropout": jax.random.key(1)})
+  apply = jax.jit(Transformer(cfg).apply, static_argnames="train")
+  a = apply(params, src, tgt, train=True, rngs={"dropout": jax.random.key(0)})
+  b = apply(params, src, tgt, train=True, rngs={"dropout": jax.random.key(1)})
   assert not np.allclose(a, b)
-  np.testing.assert_array_equal(model.apply(params, src, tgt), model.apply(params, src, tgt))
+  np.testing.assert_array_equal(apply(params, src, tgt), apply(params, src, tgt))
 
 
 def test_ffn_hidden_dropout_is_off_by_default_as_in_the_paper():
@@ -398,7 +399,7 @@ def test_unknown_preset():
   assert dataclasses.is_dataclass(seq2seq.get_config("base"))
 
 
-@pytest.mark.parametrize("pre_ln", [False, True])
+@pytest.mark.parametrize("pre_ln", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_scanned_layers_compute_what_one_module_per_layer_computes(pre_ln):
   """scan_layers (each stack traced once, its parameters stacked) and one module per layer
   (model.unroll_layers of the same parameters): the same logits and gradients; the two

@@ -70,9 +70,10 @@ def test_decode_attention_equals_numpy(dtype, b, h, q_len, k_len, d, mask_shape,
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,dtype,key_rows", [
-    (8, jnp.bfloat16, False), (2, jnp.bfloat16, False),  # 2: four query rows per key row
-    (8, jnp.bfloat16, True), (8, jnp.float32, True)])
+@pytest.mark.parametrize("rows,dtype,key_rows", [   # 4-5 s each: one in the fast tier
+    pytest.param(8, jnp.bfloat16, False, marks=pytest.mark.slow),
+    pytest.param(2, jnp.bfloat16, False, marks=pytest.mark.slow),  # four query rows per key row
+    (8, jnp.bfloat16, True), pytest.param(8, jnp.float32, True, marks=pytest.mark.slow)])
 def test_cpu_attention_of_a_decode_step_runs_the_kernel_and_equals_xla(rows, dtype, key_rows,
                                                                         monkeypatch):
   """cpu.attention with few queries calls the kernel (a custom call in the jaxpr) and gives
@@ -106,6 +107,7 @@ def test_cpu_attention_of_a_decode_step_runs_the_kernel_and_equals_xla(rows, dty
 
 
 @needs_kernel
+@pytest.mark.slow   # two decode loops compiled per strategy (8-10 s)
 @pytest.mark.parametrize("strategy", ["greedy", "beam4"])
 def test_bf16_decoding_with_the_kernel_gives_xlas_tokens_and_log_probs(strategy, monkeypatch):
   """The decode loop of a bf16 model (random weights: no near-ties to speak of) with the
@@ -152,6 +154,7 @@ def test_top_k_logsumexp_equals_numpy(n, vocab, k):
   np.testing.assert_allclose(lse, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow   # two beam searches compiled each way (~15 s each)
 @pytest.mark.parametrize("table,dtype", [
     ("reference", "float32"), pytest.param("cpu", "bfloat16", marks=needs_kernel)])
 def test_beam_search_reading_through_rows_equals_moving_the_cache(table, dtype, monkeypatch):
@@ -192,6 +195,7 @@ def test_beam_search_reading_through_rows_equals_moving_the_cache(table, dtype, 
                                atol=1e-4 if dtype == "float32" else 0.05)
 
 
+@pytest.mark.slow   # runs the C++ compiler twice
 def test_the_build_is_cached_and_a_failing_compiler_is_one_line(tmp_path, monkeypatch):
   """The library is built once per source, compiler, -march, JAX and CPU, then found; a
   compiler that fails, or none, is a RuntimeError naming it (available() then says False)."""
@@ -218,6 +222,7 @@ def test_the_build_is_cached_and_a_failing_compiler_is_one_line(tmp_path, monkey
   assert list((tmp_path / "other").iterdir()) == []
 
 
+@pytest.mark.slow   # decodes in a subprocess with the kernel turned off
 def test_without_the_kernel_decoding_runs_on_xlas_attention(tmp_path):
   """SEQ2SEQ_NATIVE=off (or no compiler): available() is False with the reason, the cache
   stays float32 for bf16 models, and a bf16 decode runs."""

@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 import profile_ops  # noqa: E402
@@ -37,6 +38,7 @@ def test_wall_shares_split_overlaps_between_running_ops():
   assert busy == covered and abs(sum(shares) - busy) < 1e-9
 
 
+@pytest.mark.slow   # profiles a benchmark's train step
 def test_summary_attributes_traced_ops_to_source():
   def ffn(x, w1, w2):
     return jnp.maximum(x @ w1, 0.0) @ w2

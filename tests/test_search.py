@@ -309,6 +309,7 @@ def test_default_beam_outlasts_unlikely_early_ends():
   assert count.scores[0, 0] < score - 4
 
 
+@pytest.mark.slow   # compiles a sampling loop per row (~13 s)
 def test_per_row_steps_draw_from_their_own_keys():
   """`sample_step` with a step per row (the decode slots) and a key per row: each row's draw
   is fold_in(its key, its step); rows follow the filtered distribution."""
@@ -472,6 +473,7 @@ def test_a_tiny_temperature_is_greedy(temperature):
   np.testing.assert_array_equal(np.asarray(out.tokens[:, 0, 0]), 2)
 
 
+@pytest.mark.slow   # draws thousands of samples per filter
 def test_sampling_follows_the_filtered_distribution():
   """Temperature 2, top-k 4, top-p 0.8: empirical frequencies of 20,000 draws."""
   strategy = Sample(temperature=2.0, top_k=4, top_p=0.8)

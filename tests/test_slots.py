@@ -48,8 +48,9 @@ def _batch(sources):
 BEAM = Beam(size=3, alpha=0.6, n_best=2)
 
 
-@pytest.mark.parametrize("strategy,table", [(Greedy(), "reference"), (BEAM, "reference"),
-                                              (BEAM, "cpu")],
+@pytest.mark.parametrize("strategy,table", [   # beam search moving its cache: in the slow tier
+    (Greedy(), "reference"), pytest.param(BEAM, "reference", marks=pytest.mark.slow),
+    (BEAM, "cpu")],
                          ids=["greedy", "beam", "beam-rows"])
 def test_stream_decodes_each_source_as_decode_does(params, sources, eos, strategy, table):
   """With the cpu kernels (where the C++ attention is built) beam search leaves the cache
@@ -80,6 +81,7 @@ def test_stream_decodes_each_source_as_decode_does(params, sources, eos, strateg
   assert (stats.busy_slot_steps == stats.tokens) == isinstance(strategy, Greedy)
 
 
+@pytest.mark.slow   # a sampling loop per batch layout (~4 s)
 def test_sampling_does_not_depend_on_the_other_sentences(params, sources, eos):
   strategy, short = Sample(temperature=3.0), [s for s in sources if len(s) <= 16]
   run = lambda srcs, **kw: slots.decode_stream(CFG, params, srcs, strategy, bos_id=BOS,
@@ -133,6 +135,7 @@ def test_the_loop_compiles_once_per_shape(params, sources, eos, caplog):
   assert len(compiles) == len(set(shapes)), [r.getMessage() for r in compiles]
 
 
+@pytest.mark.slow   # two bf16 decodes of every source, each way (~7 s)
 def test_bf16_slots_keep_the_cache_as_bits_and_decode_as_decode_does(params, sources, eos):
   """In bf16 with the C++ decode attention (kernels/native.py), the slots keep keys and
   values as bf16's bits (written in place, read by the kernel as they are): greedy gives
@@ -181,6 +184,7 @@ class _TableModel:
     return jax.numpy.asarray(self.logp, jax.numpy.float32)[y_Nx2[:, 0], y_Nx2[:, 1]]
 
 
+@pytest.mark.slow   # both loops compiled over five sources (~6 s); test_search has the fixed one
 def test_default_beam_outlasts_unlikely_early_ends_in_both_loops(monkeypatch):
   """test_search's model whose likely hypothesis grows while unlikely ones end (the empty
   one at the first step), as a Transformer in both decode loops: with the default stop rule

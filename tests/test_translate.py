@@ -47,6 +47,7 @@ def test_translate_keeps_input_order_and_matches_decode(params):
     tr.translate(params, CFG, tok, ["a" * 69], Greedy())
 
 
+@pytest.mark.slow   # compiles a decode loop per sentence and per pass (13-19 s)
 @pytest.mark.parametrize("batching", ["slots", "fixed"])
 def test_translate_nbest_scores_truncates_and_skips_empty_lines(params, monkeypatch, batching):
   tok = _Chars()

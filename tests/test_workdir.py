@@ -111,6 +111,7 @@ def test_the_heartbeat_refreshes_the_lock_and_notices_losing_it(tmp_path):
   lock.release()
 
 
+@pytest.mark.slow   # starts a process per contender
 def test_only_one_of_many_takes_over_a_stale_lock(tmp_path):
   dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                         capture_output=True, text=True).stdout.strip()
