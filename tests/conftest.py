@@ -12,16 +12,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The tests compile many tiny programs and run each a few times, so compiling is most
 # of their time: they ask XLA:CPU for its quick code generation (the same HLO passes
-# and fusions, less optimised machine code): ~25% less time per compile, a full run 12
-# instead of 14-15 minutes on 2 cores. On a GPU they skip XLA's autotuning (each backend
-# ignores the other's flags) and use deterministic ops: scatter-adds and cuDNN's
-# attention backward otherwise sum in a varying order (on the first GPU run, a resumed
-# run was not bit-identical to the uninterrupted one without them). The scripts the
-# tests start inherit them (those that set their own XLA_FLAGS add TEST_XLA_FLAGS); the
-# README's main job (`default_run`) runs as a user runs it.
-USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                  "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true")
+# and fusions, less optimised machine code: ~25% less time per compile) and for its
+# fusions without the MLIR fusion emitters (a third less again: a kernels-table test
+# 19 -> 13 s on 2 cores; left out where a jaxlib no longer knows the flag). On a GPU
+# they skip XLA's autotuning (each backend ignores the other's flags) and use
+# deterministic ops: scatter-adds and cuDNN's attention backward otherwise sum in a
+# varying order (on the first GPU run, a resumed run was not bit-identical to the
+# uninterrupted one without them). The scripts the tests start inherit them (those that
+# set their own XLA_FLAGS add TEST_XLA_FLAGS); the README's main job (`default_run`) runs
+# as a user runs it, with the flags pytest was started with.
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib starts with `flag` (XLA aborts on a flag it does not know)."""
+  p = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                     env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  return p.returncode == 0
+
+
+# Decided once, in the process that starts pytest; its workers (pytest -n) read them back.
+if "SEQ2SEQ_TEST_XLA_FLAGS" not in os.environ:
+  os.environ["SEQ2SEQ_USER_XLA_FLAGS"] = json.dumps(os.environ.get("XLA_FLAGS"))
+  os.environ["SEQ2SEQ_TEST_XLA_FLAGS"] = " ".join(
+      ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+       "--xla_gpu_autotune_level=0", "--xla_gpu_deterministic_ops=true"] +
+      [f for f in ["--xla_cpu_use_fusion_emitters=false"] if _xla_knows(f)])
+USER_XLA_FLAGS = json.loads(os.environ["SEQ2SEQ_USER_XLA_FLAGS"])
+TEST_XLA_FLAGS = os.environ["SEQ2SEQ_TEST_XLA_FLAGS"]
 os.environ["XLA_FLAGS"] = f"{USER_XLA_FLAGS or ''} {TEST_XLA_FLAGS}".strip()
 
 
