@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import USER_XLA_FLAGS
 from seq2seq.kernels import malloc
 
 # A jitted function whose temporaries (two [4096, 4096] f32 products, 64 MiB each) are far
@@ -28,9 +29,13 @@ print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 4))
 
 def _run(probe: str, mode: str = "tuned"):
   """Runs a probe in a fresh Python with no malloc tuning from the environment (or with
-  SEQ2SEQ_MALLOC=default for mode "default"); returns its last line's JSON."""
+  SEQ2SEQ_MALLOC=default for mode "default") and XLA's code generation as a user has it,
+  not the tests' (whose fusions allocate otherwise); returns its last line's JSON."""
   env = {k: v for k, v in os.environ.items()
-         if not (k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "SEQ2SEQ_MALLOC"))}
+         if not (k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "SEQ2SEQ_MALLOC",
+                                                  "XLA_FLAGS"))}
+  if USER_XLA_FLAGS is not None:
+    env["XLA_FLAGS"] = USER_XLA_FLAGS
   if mode == "default":
     env["SEQ2SEQ_MALLOC"] = "default"
   p = subprocess.run([sys.executable, "-c", probe, mode], env=env, capture_output=True,

@@ -307,7 +307,6 @@ def notebook_env(tmp_path_factory):
 def test_notebook_runs(name, notebook_env, monkeypatch):
   for k, v in notebook_env.items():
     monkeypatch.setenv(k, v)
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
   nb = nbformat.read(COLAB / f"{name}.ipynb", as_version=4)
   client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT,
                                    resources={"metadata": {"path": str(COLAB)}})
