@@ -33,7 +33,7 @@ import numpy as np
 
 import seq2seq
 from seq2seq.data import load_dataset
-from seq2seq.data.dataset import open_source
+from seq2seq.data.corpus import open_corpus
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import cpu_name  # noqa: E402
@@ -57,7 +57,7 @@ def bench_pipeline(name: str, root: str, seconds: float, bible: str = BIBLE) -> 
   workdir = os.path.join(root, f"work-{name}")
   shutil.rmtree(workdir, ignore_errors=True)  # time tokenizer training + tokenization
   t = time.perf_counter()
-  open_source(cfg)  # build the TFDS data (or find it built)
+  open_corpus(cfg)  # build the TFDS data (or find it built)
   tfds_s = time.perf_counter() - t
   t = time.perf_counter()
   ds = load_dataset(cfg, workdir, process_index=0, process_count=1)

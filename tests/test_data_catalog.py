@@ -40,7 +40,7 @@ def test_mock_catalog_dataset(tmp_path, online, name, keys, reverse):
     assert b["src"].shape == (4, 32) and b["src"].dtype == np.int32
     assert (b["src_segments"] > 0).sum() > 0
     e = next(ds.eval_batches("test", 8))
-    records = ds.source.data_source("test")
+    records = ds.corpus.data_source("test")
     first = records[0]
     assert e["src_text"][0] == first[src_key] and e["tgt_text"][0] == first[tgt_key]
     assert ds.tokenizer.decode(e["tgt"][0]) == first[tgt_key].strip() or \

@@ -1,48 +1,91 @@
-"""The parallel_text builder: Moses files, TSV, a directory; and one-line errors for bad
-files (line counts, empty, invalid UTF-8, missing path, TSV columns)."""
+"""Your parallel text read where it lies: Moses files, TSV, a directory, lines by number as
+textio reads them; and one-line errors for bad files (line counts, empty, invalid UTF-8,
+missing path, TSV columns)."""
 import os
 
+import numpy as np
 import pytest
 
 import seq2seq
-from seq2seq import UserError
+from seq2seq import UserError, textio
 from seq2seq.data import load_dataset
 from seq2seq.data import parallel_text
 from seq2seq.data import testing as dtest
 
 
-def _read_all(builder, split):
-  src = builder.as_data_source(split=split)
-  return [(r["en"].decode(), r["fr"].decode()) for r in src.__getitems__(list(range(len(src))))]
-
-
-def test_moses_builder_splits_and_determinism(tmp_path):
+def test_moses_corpus_splits_in_file_order(tmp_path):
   root = dtest.write_corpus_dir(str(tmp_path / "c"), (("train", 60), ("dev", 7), ("test", 9)))
-  builds = []
-  for run in range(2):  # two builds into two data dirs store the same examples, same order
-    b = parallel_text.make_builder(root, data_dir=str(tmp_path / f"tfds{run}"))
-    b.download_and_prepare()
-    builds.append({s: _read_all(b, s) for s in ("train", "validation", "test")})
-  assert builds[0] == builds[1]
-  data = builds[0]
-  assert {k: len(v) for k, v in data.items()} == {"train": 60, "validation": 7, "test": 9}
-  assert set(data["train"]) == set(dtest.sentence_pairs(60, seed=0))   # aligned, complete
-  assert set(data["test"]) == set(dtest.sentence_pairs(9, seed=2))
-  assert b.info.supervised_keys == ("en", "fr")
-  # a changed corpus is a different builder config (so it is rebuilt)
+  corpus = parallel_text.open_corpus(root)
+  assert corpus.splits == ("train", "validation", "test")
+  assert {s: corpus.num_examples(s) for s in corpus.splits} == {"train": 60, "validation": 7,
+                                                                "test": 9}
+  for split, seed in (("train", 0), ("validation", 1), ("test", 2)):
+    src, tgt = corpus.read(split)
+    assert list(zip(src, tgt)) == dtest.sentence_pairs(corpus.num_examples(split), seed=seed)
+  src, tgt = corpus.read("train", [59, 3, 3, 0])       # by number, in the order asked
+  pairs = dtest.sentence_pairs(60, seed=0)
+  assert list(zip(src, tgt)) == [pairs[59], pairs[3], pairs[3], pairs[0]]
+  assert (corpus.src_key, corpus.tgt_key) == ("en", "fr")
+  # a changed corpus is another corpus: its identity (the token cache's key) changes
+  before = corpus.identity("test"), corpus.identity("train")
   dtest.write_moses(os.path.join(root, "test"), dtest.sentence_pairs(9, seed=99))
-  b2 = parallel_text.make_builder(root, data_dir=str(tmp_path / "tfds0"))
-  assert b2.builder_config.name != b.builder_config.name and not b2.is_prepared()
+  after = parallel_text.open_corpus(root)
+  assert after.identity("test") != before[0] and after.identity("train") == before[1]
 
 
 def test_tsv_and_crlf_and_unicode_separators(tmp_path):
   path = tmp_path / "pairs.tsv"
   # \r\n line ends, a BOM, and U+2028 inside a sentence (must not split the line)
   path.write_bytes("\ufeffone cat\tun chat\r\ntwo\u2028dogs\tdeux chiens\r\nend\tfin".encode())
-  b = parallel_text.make_builder(str(path), data_dir=str(tmp_path / "tfds"))
-  b.download_and_prepare()
-  assert sorted(_read_all(b, "train")) == sorted(
-      [("one cat", "un chat"), ("two\u2028dogs", "deux chiens"), ("end", "fin")])
+  src, tgt = parallel_text.open_corpus(str(path)).read("train")
+  assert list(zip(src, tgt)) == [("one cat", "un chat"), ("two\u2028dogs", "deux chiens"),
+                                 ("end", "fin")]
+
+
+@pytest.mark.parametrize("block,span", [(1 << 24, 1 << 22), (7, 5)])
+def test_text_file_reads_lines_as_textio_does(tmp_path, monkeypatch, block, span):
+  """Line i of a scanned file, read alone, in runs or in any order, is line i of
+  textio.read_lines, whatever its line ends, byte-order mark and multi-byte characters;
+  files are read in blocks (here also 7 bytes: characters and "\\r\\n" split between
+  blocks) and windows of lines."""
+  monkeypatch.setattr(parallel_text, "_BLOCK", block)
+  monkeypatch.setattr(parallel_text, "_SPAN", span)
+  rng = np.random.default_rng(0)
+  words = ["café", "naïve", "日本語", "🙂", "a", "tab\there", "\u2028", " ", "x" * 30]
+  cases = [b"a\nb\nc\n", b"a\nb\nc", "\ufeffone\r\ntwo\u2028x\r\nend".encode(),
+           b"x\r\n\r\ny\r", b"\n\nz\n", "é\n".encode() * 5, b"\r\n" * 3 + b"a",
+           "\n".join("".join(rng.choice(words, rng.integers(0, 6))) + ("\r" if rng.random() < .3
+                                                                     else "")
+                     for _ in range(300)).encode()]
+  for i, data in enumerate(cases):
+    path = tmp_path / f"f{i}"
+    path.write_bytes(data)
+    want = textio.read_lines(str(path))
+    f = parallel_text.TextFile(str(path))
+    assert f.lines() == want
+    assert len(f) == len(want) == textio.count_lines(str(path))
+    idx = rng.integers(0, len(want), 40)
+    assert f.lines(idx) == [want[i] for i in idx]
+    assert f.lines(np.arange(1, len(want))[::2]) == want[1::2]
+    assert f.lines([]) == []
+
+
+def test_error_whitespace_only_and_bom_only_files(tmp_path):
+  for data in (b"  \n \n", b"\xef\xbb\xbf", b"\n"):
+    _bad(tmp_path, **{"t.en": data, "t.fr": b"x\n"})
+    assert "t.en is empty" in _error(str(tmp_path / "t"), tmp_path)
+
+
+def test_invalid_utf8_is_found_before_anything_is_written(tmp_path):
+  """A bad byte deep in a big training file (past the vocabulary's sample) stops the run
+  before it writes anything, naming the line."""
+  pairs = dtest.sentence_pairs(3000, seed=4)
+  prefix = dtest.write_moses(str(tmp_path / "c" / "train"), pairs)
+  data = (tmp_path / "c" / "train.fr").read_bytes().split(b"\n")
+  data[2500] = data[2500] + b" caf\xe9"
+  (tmp_path / "c" / "train.fr").write_bytes(b"\n".join(data))
+  assert "train.fr line 2501: invalid UTF-8" in _error(prefix, tmp_path)
+  assert not (tmp_path / "w").exists()
 
 
 def test_load_dataset_reverse(tmp_path):

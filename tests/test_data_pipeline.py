@@ -8,6 +8,7 @@ import pytest
 import seq2seq
 from seq2seq.data import EOS_ID, load_dataset
 from seq2seq.data import testing as dtest
+from seq2seq.data import first_fit
 from seq2seq.data.pipeline import (OPEN_ROWS, Ragged, TrainStream, apply_length_policy,
                                    plan_rows)
 
@@ -31,9 +32,9 @@ def _examples_in_batch(batch, name):
 
 @pytest.fixture(scope="module")
 def stream():
-  src, tgt, _, _ = apply_length_policy(_random_ragged(500, 1, 20, 0),
-                                       _random_ragged(500, 1, 25, 1), 16, 16, "truncate")
-  return TrainStream(src, tgt, batch_size=8, seq_len=32, pack=True, seed=3)
+  pairs, _ = apply_length_policy(_random_ragged(500, 1, 20, 0),
+                                 _random_ragged(500, 1, 25, 1), 16, 16, "truncate")
+  return TrainStream(pairs, batch_size=8, seq_len=32, pack=True, seed=3)
 
 
 def test_ragged_roundtrip_and_eos():
@@ -49,13 +50,16 @@ def test_ragged_roundtrip_and_eos():
 def test_length_policy_counts():
   src = Ragged.from_lists([[5] * 3, [5] * 9, [5] * 4, [5] * 2])
   tgt = Ragged.from_lists([[6] * 3, [6] * 2, [6] * 12, [6] * 2])
-  s, t, kept, stats = apply_length_policy(src, tgt, 6, 8, "drop")
-  assert kept.tolist() == [0, 3] and stats["dropped_too_long"] == 2 and stats["kept"] == 2
-  assert s[0].tolist() == [5, 5, 5, EOS_ID] and t[1].tolist() == [6, 6, EOS_ID]
-  s, t, kept, stats = apply_length_policy(src, tgt, 6, 8, "truncate")
+  pairs, stats = apply_length_policy(src, tgt, 6, 8, "drop")
+  assert pairs.keep.tolist() == [0, 3] and stats["dropped_too_long"] == 2 and stats["kept"] == 2
+  assert pairs.example(0)[0].tolist() == [5, 5, 5, EOS_ID]
+  assert pairs.example(1)[1].tolist() == [6, 6, EOS_ID]
+  pairs, stats = apply_length_policy(src, tgt, 6, 8, "truncate")
   assert stats["truncated"] == 2 and stats["kept"] == 4
-  assert s.lengths.max() <= 6 and t.lengths.max() <= 8
-  assert s[1].tolist() == [5] * 5 + [EOS_ID]
+  assert pairs.src_len.max() <= 6 and pairs.tgt_len.max() <= 8
+  assert pairs.example(1)[0].tolist() == [5] * 5 + [EOS_ID]
+  assert pairs.example(2)[1].tolist() == [6] * 7 + [EOS_ID]
+  assert pairs.src_len.tolist() == [4, 6, 5, 3] and pairs.tgt_len.tolist() == [4, 3, 8, 3]
 
 
 def test_packing_loses_nothing_and_segments_positions_right(stream):
@@ -82,10 +86,10 @@ def test_packing_loses_nothing_and_segments_positions_right(stream):
       seen.append((tuple(src_ex[key]), tuple(tgt_ex[key])))
   # Each example of the epoch exactly as stored (EOS-terminated); every example is placed
   # (the epoch wraps around for the last rows, so some appear twice, none is lost).
-  every = {(tuple(stream.src[i]), tuple(stream.tgt[i])) for i in range(len(stream.src))}
+  every = {tuple(map(tuple, stream.pairs.example(i))) for i in range(len(stream.pairs))}
   assert set(seen) == every
   stats = stream.epoch_stats(0)
-  assert stats["distinct_examples_per_epoch"] == len(stream.src)
+  assert stats["distinct_examples_per_epoch"] == len(stream.pairs)
   assert stats["src_fill"] > 0.8 and stats["tgt_fill"] > 0.85
 
 
@@ -128,6 +132,49 @@ def test_first_fit_plan_follows_its_rule_and_packs_tighter_than_rows_one_at_a_ti
   assert np.array_equal(b_fewer, bounds[:-5]) and np.array_equal(fewer, stream[:b_fewer[-1]])
 
 
+def _first_fit_lists(order, src_lens, tgt_lens, seq_len, max_rows):
+  """The first-fit rule over lists of lists, as plainly as it can be written."""
+  rows, open_rows = [], []          # open rows: [examples, source room, target room]
+  for e in order:
+    for r in open_rows:
+      if r[1] >= src_lens[e] and r[2] >= tgt_lens[e]:
+        r[0].append(e)
+        r[1] -= src_lens[e]
+        r[2] -= tgt_lens[e]
+        break
+    else:
+      if len(open_rows) == OPEN_ROWS:
+        rows.append(open_rows.pop(0)[0])
+        if len(rows) == max_rows:
+          return rows
+      open_rows.append([[e], seq_len - src_lens[e], seq_len - tgt_lens[e]])
+  return (rows + [r[0] for r in open_rows])[:max_rows]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_plan_is_first_fit_written_plainly(monkeypatch, compiled):
+  """plan_rows (NumPy around first_fit.c, or around its Python loop where no compiler is)
+  gives the rows of the rule written over lists, for one pass, more rows and fewer."""
+  if compiled and not first_fit.available():
+    pytest.skip("no C compiler here")
+  if not compiled:
+    monkeypatch.setattr(first_fit, "rows", lambda *a: None)
+  rng = np.random.default_rng(1)
+  for trial in range(12):
+    n, L = int(rng.integers(1, 2500)), int(rng.integers(8, 130))
+    src_lens, tgt_lens = rng.integers(1, L + 1, n), rng.integers(1, L + 1, n)
+    order = rng.permutation(n)
+    one = _first_fit_lists(order.tolist(), src_lens, tgt_lens, L, n)
+    for num_rows in (None, len(one) + int(rng.integers(1, 3 * len(one) + 2)),
+                     max(1, len(one) - int(rng.integers(0, len(one))))):
+      want = list(one) if num_rows is None else one[:num_rows]
+      while num_rows and len(want) < num_rows:
+        want += _first_fit_lists(order.tolist(), src_lens, tgt_lens, L, num_rows - len(want))
+      stream, bounds = plan_rows(src_lens, tgt_lens, order, num_rows, L, pack=True)
+      got = [stream[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+      assert got == want, (trial, num_rows)
+
+
 def test_resume_at_step_k_is_exact(stream):
   """Batches from train_batches(k) equal batches k.. of an uninterrupted run, across epoch
   boundaries, and a fresh stream object gives the same batches."""
@@ -140,24 +187,24 @@ def test_resume_at_step_k_is_exact(stream):
       b = next(resumed)
       for name in full[j]:
         np.testing.assert_array_equal(b[name], full[j][name])
-  fresh = TrainStream(stream.src, stream.tgt, batch_size=8, seq_len=32, pack=True, seed=3)
+  fresh = TrainStream(stream.pairs, batch_size=8, seq_len=32, pack=True, seed=3)
   np.testing.assert_array_equal(fresh.batch(spe + 1)["tgt"], full[spe + 1]["tgt"])
   # another seed, another order; another epoch, another order
-  other = TrainStream(stream.src, stream.tgt, batch_size=8, seq_len=32, pack=True, seed=4)
+  other = TrainStream(stream.pairs, batch_size=8, seq_len=32, pack=True, seed=4)
   assert not np.array_equal(other.batch(0)["src"], full[0]["src"])
   assert not np.array_equal(full[spe]["src"], full[0]["src"])
 
 
 def test_unpacked_rows():
-  src, tgt, _, _ = apply_length_policy(_random_ragged(50, 1, 10, 0),
-                                       _random_ragged(50, 1, 10, 1), 16, 16, "drop")
-  s = TrainStream(src, tgt, batch_size=4, seq_len=16, pack=False, seed=0)
+  pairs, _ = apply_length_policy(_random_ragged(50, 1, 10, 0),
+                                 _random_ragged(50, 1, 10, 1), 16, 16, "drop")
+  s = TrainStream(pairs, batch_size=4, seq_len=16, pack=False, seed=0)
   assert s.steps_per_epoch == 13
   b = s.batch(0)
   assert np.array_equal(b["src_segments"], (b["src"] != 0).astype(np.int32))
   assert np.array_equal(b["tgt_positions"], np.tile(np.arange(16), (4, 1)))
   order = np.random.default_rng([0, 0, 0]).permutation(50)
-  assert b["src"][2][b["src"][2] != 0].tolist() == src[order[2]].tolist()
+  assert b["src"][2][b["src"][2] != 0].tolist() == pairs.example(order[2])[0].tolist()
 
 
 def test_packed_masks_block_cross_example_attention(stream):
@@ -237,7 +284,7 @@ def test_load_dataset_end_to_end_resume_and_cache(corpus):
   for name in b3:
     np.testing.assert_array_equal(b3[name], first[3][name])
   # Decoding a packed segment gives back a training sentence.
-  src_text, _ = ds.source.read("train")
+  src_text, _ = ds.corpus.read("train")
   seg = first[0]["src_segments"][0]
   assert ds.tokenizer.decode(first[0]["src"][0][seg == 1]) in set(src_text)
 
@@ -252,11 +299,11 @@ def test_host_shards_are_disjoint_and_cover(corpus):
     b = next(ds.train_batches(0))
     assert b["src"].shape == (4, 32)
     assert ds.stats["host_examples"] == 120
-    src = ds._streams[0].src
-    texts |= {(p, ds.tokenizer.decode(src[i])) for i in range(len(src))}
+    pairs = ds._streams[0].pairs
+    texts |= {(p, ds.tokenizer.decode(pairs.example(i)[0])) for i in range(len(pairs))}
   a = {t for p, t in texts if p == 0}
   b = {t for p, t in texts if p == 1}
-  full, _ = shards[0].source.read("train")
+  full, _ = shards[0].corpus.read("train")
   assert a | b <= set(full) and len(a | b) >= len(set(full)) - shards[0].stats[
       "dropped_too_long"] - shards[1].stats["dropped_too_long"]
 
@@ -286,7 +333,7 @@ def test_eval_batches_pad_never_drop(corpus):
   ds = load_dataset(cfg, str(corpus / "work6"), process_index=0, process_count=1)
   batches = list(ds.eval_batches("test", 8))
   assert len(batches) == 4                               # 30 examples -> 8, 8, 8, 6
-  src_text, tgt_text = ds.source.read("test")
+  src_text, tgt_text = ds.corpus.read("test")
   got = [t for b in batches for t, v in zip(b["tgt_text"], b["valid"]) if v]
   assert got == tgt_text
   last = batches[-1]

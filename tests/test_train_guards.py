@@ -22,6 +22,7 @@ from seq2seq import train_lib  # noqa: E402
 from seq2seq.config import Config, TrainConfig, get_experiment  # noqa: E402
 from seq2seq.data import load_dataset  # noqa: E402
 from seq2seq.data import testing as dtest  # noqa: E402
+from seq2seq.data import vocabulary  # noqa: E402
 from seq2seq.errors import UserError  # noqa: E402
 
 
@@ -240,7 +241,7 @@ def test_a_vocabulary_is_reused_only_for_the_data_it_was_built_from(tmp_path, mo
   assert record["sha256"] == hashlib.sha256(ds.tokenizer.model_proto).hexdigest()
   # the same data and settings: reused, not trained again
   trained = []
-  monkeypatch.setattr(seq2seq.data.Tokenizer, "train", lambda *a, **k: trained.append(1))
+  monkeypatch.setattr(vocabulary, "train", lambda *a, **k: trained.append(1))
   again = load_dataset(_data_cfg(tmp_path, right), str(work), process_index=0,
                        process_count=1)
   assert again.tokenizer.model_proto == ds.tokenizer.model_proto and not trained

@@ -1,19 +1,27 @@
 """Any translation dataset of the TFDS catalog, by name: `wmt14_translate/de-en`,
 `ted_hrlr_translate/pt_to_en`, ... Source and target are its supervised keys (swapped by
-`--config.data.reverse`). Reading needs no TensorFlow (array_record + data sources), but
-*preparing* most catalog datasets downloads them: where that is impossible (no internet,
-missing optional dependencies) the failure is a one-line `UserError`.
+`--config.data.reverse`). Reading needs no TensorFlow (array_record + data sources), and
+neither does building, whatever the size: past 1 GB a split, TFDS's writer spills examples
+to bucket files through TensorFlow's file API, which `files_without_tensorflow` serves from
+the file system where TensorFlow is not installed. *Preparing* most catalog datasets
+downloads them: where that is impossible (no internet, missing optional dependencies, a
+builder whose own code uses TensorFlow) the failure is a one-line `UserError`, said before
+any download where it can be known then.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import inspect
 import os
+import re
 import socket
 import sys
 import time
 from pathlib import Path
 
 import tensorflow_datasets as tfds
+from etils import epath
 
 from seq2seq.errors import UserError
 
@@ -72,6 +80,67 @@ def _offline_reason() -> str:
   return ""
 
 
+class _FileApi:
+  """The part of TensorFlow that TFDS's shuffler uses (`tf.io.gfile`, `tf.errors`) once a
+  split passes its in-memory limit (`shuffle.MAX_MEM_BUFFER_SIZE`, 1 GB), served by the file
+  system through etils.epath, as the rest of TFDS's writer is."""
+
+  class errors:   # noqa: N801 - TensorFlow's names
+    class ResourceExhaustedError(OSError):
+      message = ""
+
+  class io:   # noqa: N801
+    class gfile:   # noqa: N801
+      @staticmethod
+      def GFile(path, mode="r"):   # noqa: N802
+        try:
+          return epath.Path(path).open(mode)
+        except OSError as e:   # a bucket file each: raise the limit on open files, as TFDS
+          if e.errno != 24:    # does when TensorFlow reports it (EMFILE)
+            raise
+          from tensorflow_datasets.core import shuffle
+          shuffle._increase_open_files_limit()
+          return epath.Path(path).open(mode)
+
+      @staticmethod
+      def exists(path) -> bool:
+        return epath.Path(path).exists()
+
+      @staticmethod
+      def remove(path) -> None:
+        epath.Path(path).unlink()
+
+
+def tensorflow_installed() -> bool:
+  return importlib.util.find_spec("tensorflow") is not None
+
+
+@contextlib.contextmanager
+def files_without_tensorflow():
+  """TFDS's shuffler writes its bucket files through `_FileApi` while this is entered, where
+  TensorFlow is not installed (where it is, TFDS uses it, as ever)."""
+  from tensorflow_datasets.core import shuffle
+  if tensorflow_installed():
+    yield
+    return
+  was = shuffle.tf
+  shuffle.tf = _FileApi
+  try:
+    yield
+  finally:
+    shuffle.tf = was
+
+
+def uses_tensorflow(builder: tfds.core.DatasetBuilder) -> bool:
+  """Whether the builder's own module imports TensorFlow (which its build then needs)."""
+  try:
+    code = inspect.getsource(inspect.getmodule(type(builder)))
+  except (OSError, TypeError):
+    return False
+  return re.search(r"^(import tensorflow\b|from \S+ import tensorflow\b)", code,
+                   re.MULTILINE) is not None
+
+
 def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
   """download_and_prepare, turning any failure into a one-line UserError. `downloads`:
   the builder fetches files (check first that the network is reachable at all)."""
@@ -85,6 +154,10 @@ def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
   else:  # built from local files: nothing to download, so the directory is the problem
     where = f"could not build TFDS dataset {builder.info.full_name!r} in {builder.data_dir}"
     hint = "check that --data_dir (TFDS_DATA_DIR) is a writable directory"
+  if uses_tensorflow(builder) and not tensorflow_installed():
+    raise UserError(f"TFDS's builder of {builder.info.full_name!r} uses TensorFlow, which is "
+                    f"not installed: pip install tensorflow-cpu (or prepare it where TensorFlow "
+                    f"is and point --data_dir (TFDS_DATA_DIR) at it)")
   reason = _offline_reason() if downloads else ""
   if reason:
     raise UserError(f"{where} ({reason}); {hint}")
@@ -98,8 +171,8 @@ def prepare(builder: tfds.core.DatasetBuilder, downloads: bool = True) -> None:
     print(f"building the dataset in {builder.data_dir} (once: later runs reuse it)",
           file=sys.stderr, flush=True)
   try:
-    with contextlib.redirect_stdout(sys.stderr):  # TFDS's messages: stdout is for results
-      builder.download_and_prepare()
+    with contextlib.redirect_stdout(sys.stderr), files_without_tensorflow():
+      builder.download_and_prepare()   # (TFDS's messages: stdout is for results)
   except Exception as e:  # noqa: BLE001 - network, checksum, missing dependency, ...
     reason = (str(e).strip().splitlines() or [""])[0][:200]
     raise UserError(f"{where} ({type(e).__name__}: {reason}); {hint}") from None

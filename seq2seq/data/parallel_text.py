@@ -1,4 +1,4 @@
-"""Your own parallel text as a TFDS dataset: Moses-style aligned files or a two-column TSV.
+"""Your own parallel text, read where it lies: Moses-style aligned files or a two-column TSV.
 
     --config.data.dataset=parallel_text --config.data.train_files=corpus/train
         reads corpus/train.en and corpus/train.fr (line i translates line i), with
@@ -8,23 +8,23 @@
                                               corpus/{validation,valid,dev}.* and corpus/test.*
                                               when present
 
-Files are checked before anything is built; every problem is one line (`UserError`): a
-missing file, an empty file, invalid UTF-8 (file and line), different line counts (both
+No copy is made and nothing is held whole: each file is scanned once per run, in blocks
+(about a second a GB): its SHA-256, which keys the vocabulary and the token cache, where
+each line starts and ends (NumPy), and the checks. Every problem is one line (`UserError`):
+a missing file, an empty file, invalid UTF-8 (file and line), different line counts (both
 files and both counts), a TSV line without exactly two columns. Lines are split on "\\n"
 only (never on the other Unicode line separators, which would silently misalign a corpus);
-a trailing "\\r" is removed.
-
-The builder config is named after the training file and a hash of every file's contents,
-so a changed corpus is rebuilt and different corpora share one data_dir.
+a trailing "\\r" and a leading byte-order mark are removed. Lines are then read by number,
+a block of the file at a time.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import os
-import re
 
-import tensorflow_datasets as tfds
+import numpy as np
 
 from seq2seq import textio
 from seq2seq.errors import UserError
@@ -78,101 +78,195 @@ def resolve_files(train_files: str, validation_files: str = "", test_files: str 
   return out
 
 
-def read_lines(path: str) -> list[str]:
-  """The lines of a UTF-8 text file; UserError if missing, empty or not UTF-8."""
-  if not os.path.exists(path):
-    raise UserError(f"parallel_text: no such file: {path}")
-  if os.path.isdir(path):
-    raise UserError(f"parallel_text: {path} is a directory, expected a text file")
-  lines = textio.read_lines(path)
-  if not any(line.strip() for line in lines):
-    raise UserError(f"parallel_text: {path} is empty")
-  return lines
+_BLOCK = 1 << 24   # bytes read at a time
+_SPAN = 1 << 22    # lines read together when they start within this many bytes
+_BOM = b"\xef\xbb\xbf"
 
 
-def read_pairs(files: SplitFiles) -> tuple[list[str], list[str]]:
-  """(sources, targets) of one split, checked."""
-  if files.is_tsv:
-    path = files.paths[0]
-    src, tgt = [], []
-    for i, line in enumerate(read_lines(path), 1):
-      cols = line.split("\t")
-      if len(cols) != 2:
-        raise UserError(f"parallel_text: {path} line {i}: expected 2 tab-separated columns "
-                        f"(source<TAB>target), found {len(cols)}")
-      src.append(cols[0])
-      tgt.append(cols[1])
-    return src, tgt
-  a, b = files.paths
-  src, tgt = read_lines(a), read_lines(b)
-  if len(src) != len(tgt):
-    raise UserError(f"parallel_text: {a} has {len(src)} lines but {b} has {len(tgt)} lines")
-  return src, tgt
+class TextFile:
+  """One UTF-8 text file, scanned: its SHA-256 and where each line's text starts and ends
+  (`starts`/`ends`, int64 byte offsets, the line end and a "\\r" before it excluded)."""
+
+  def __init__(self, path: str, tsv: bool = False):
+    self.path, self._checked = path, False
+    if not os.path.exists(path):
+      raise UserError(f"parallel_text: no such file: {path}")
+    if os.path.isdir(path):
+      raise UserError(f"parallel_text: {path} is a directory, expected a text file")
+    self.sha256, self.starts, self.ends, tabs = _scan(path, tsv)
+    if not len(self.starts):
+      raise UserError(f"parallel_text: {path} is empty")
+    self.tabs = None
+    if tsv:   # exactly one tab within each line: its offset
+      lo, hi = np.searchsorted(tabs, self.starts), np.searchsorted(tabs, self.ends)
+      bad = np.flatnonzero(hi - lo != 1)
+      if len(bad):
+        i = int(bad[0])
+        raise UserError(f"parallel_text: {path} line {i + 1}: expected 2 tab-separated "
+                        f"columns (source<TAB>target), found {int(hi[i] - lo[i]) + 1}")
+      self.tabs = tabs[lo]
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def check(self) -> None:
+    """Its bytes are UTF-8 (UserError naming the first line that is not). Once, before the
+    first read: a run whose vocabulary and token ids are stored reads no text at all."""
+    if not self._checked:
+      _check_utf8(self.path)
+      self._checked = True
+
+  def lines(self, indices=None) -> list[str]:
+    """The lines `indices` (default: all), in that order."""
+    self.check()
+    idx = np.arange(len(self)) if indices is None else np.asarray(indices, np.int64)
+    if len(idx) == 0:
+      return []
+    a, b = int(idx[0]), int(idx[-1]) + 1
+    with open(self.path, "rb") as f:
+      if (b - a == len(idx) and np.all(np.diff(idx) == 1)
+          and np.all(self.starts[a + 1:b] == self.ends[a:b - 1] + 1)):
+        # a run of lines ended by "\\n" alone: decoded at once, split at "\\n"
+        f.seek(self.starts[a])
+        out = f.read(self.ends[b - 1] - self.starts[a]).decode("utf-8").split("\n")
+        assert len(out) == len(idx)
+        return out
+      return _read_lines(f, self.starts, self.ends, idx)
+
+  def columns(self, indices=None) -> tuple[list[str], list[str]]:
+    """A TSV file's two columns of lines `indices` (default: all)."""
+    self.check()
+    idx = np.arange(len(self)) if indices is None else np.asarray(indices, np.int64)
+    with open(self.path, "rb") as f:
+      return (_read_lines(f, self.starts, self.tabs, idx),
+              _read_lines(f, self.tabs + 1, self.ends, idx))
 
 
-def check_files(files: dict[str, SplitFiles]) -> dict[str, int]:
-  """Reads every split once (raising UserError on any problem); returns pair counts."""
-  return {split: len(read_pairs(f)[0]) for split, f in files.items()}
+def _scan(path: str, tsv: bool):
+  """(sha256, starts, ends, tab offsets) of a file, read once."""
+  digest = hashlib.sha256()
+  newlines, before_newline, tabs = [], [], []
+  size, last, text = 0, 10, False
+  with open(path, "rb") as f:
+    while block := f.read(_BLOCK):
+      digest.update(block)
+      data = np.frombuffer(block, np.uint8)
+      nl = np.flatnonzero(data == 10)
+      prev = data[np.maximum(nl - 1, 0)]
+      if len(nl) and nl[0] == 0:
+        prev[0] = last
+      newlines.append(nl + size)
+      before_newline.append(prev)
+      if tsv:
+        tabs.append(np.flatnonzero(data == 9) + size)
+      text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
+      size, last = size + len(block), block[-1]
+  nl = np.concatenate(newlines or [np.zeros(0, np.int64)])
+  starts = np.concatenate([[0], nl + 1]).astype(np.int64)
+  ends = np.concatenate([nl, [size]]).astype(np.int64)
+  cr = np.concatenate([*before_newline, [last]]) == 13
+  if size == 0 or last == 10:          # nothing after the last "\\n": not a line
+    starts, ends, cr = starts[:-1], ends[:-1], cr[:-1]
+  ends -= cr
+  if not text:
+    starts = ends = np.zeros(0, np.int64)
+  elif size >= 3 and _starts_with_bom(path):
+    starts[0] += 3
+  tab = np.concatenate(tabs).astype(np.int64) if tsv else None
+  return digest.hexdigest(), starts, ends, tab
 
 
-def config_name(files: dict[str, SplitFiles], src_lang: str, tgt_lang: str) -> str:
-  """`<train file>-<src>-<tgt>-<hash of every file's bytes>`."""
-  h = hashlib.sha256(f"{src_lang}>{tgt_lang}".encode())
-  for split in sorted(files):
-    h.update(split.encode())
-    for path in files[split].paths:
-      if not os.path.isfile(path):
-        raise UserError(f"parallel_text: no such file: {path}")
-      with open(path, "rb") as f:
-        h.update(hashlib.sha256(f.read()).digest())
-  stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(files["train"].paths[0]))[:40]
-  return f"{stem or 'corpus'}-{src_lang}-{tgt_lang}-{h.hexdigest()[:12]}"
+def _check_utf8(path: str) -> None:
+  """UserError naming the first line of `path` that is not UTF-8, if any."""
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  with open(path, "rb") as f:
+    try:
+      while block := f.read(_BLOCK):
+        if not (block.isascii() and decoder.getstate()[0] == b""):
+          decoder.decode(block)
+      decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+      for _ in textio.iter_lines(path):   # raises the UserError naming the line
+        pass
+      raise UserError(f"parallel_text: {path}: invalid UTF-8") from None
 
 
-@dataclasses.dataclass(eq=False)
-class ParallelTextConfig(tfds.core.BuilderConfig):
-  files: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ((split, paths), ...)
-  src_lang: str = "en"
-  tgt_lang: str = "fr"
+def _starts_with_bom(path: str) -> bool:
+  with open(path, "rb") as f:
+    return f.read(3) == _BOM
 
 
-class ParallelText(tfds.core.GeneratorBasedBuilder):
-  """Aligned text files -> {src_lang: text, tgt_lang: text}. Built via `make_builder`."""
-  name = "parallel_text"
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Moses-style aligned files or two-column TSV."}
-  BUILDER_CONFIGS = []
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    cfg = self.builder_config
-    return tfds.core.DatasetInfo(
-        builder=self, description=__doc__,
-        features=tfds.features.FeaturesDict({cfg.src_lang: tfds.features.Text(),
-                                              cfg.tgt_lang: tfds.features.Text()}),
-        supervised_keys=(cfg.src_lang, cfg.tgt_lang))
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {split: self._generate_examples(SplitFiles(paths))
-            for split, paths in self.builder_config.files}
-
-  def _generate_examples(self, files: SplitFiles):
-    cfg = self.builder_config
-    src, tgt = read_pairs(files)
-    for i, (s, t) in enumerate(zip(src, tgt)):
-      yield i, {cfg.src_lang: s, cfg.tgt_lang: t}
+def _read_lines(f, starts: np.ndarray, ends: np.ndarray, idx: np.ndarray) -> list[str]:
+  """Lines idx (byte ranges starts[i]:ends[i] of file f), a few MB of the file a read."""
+  order = np.argsort(idx, kind="stable")
+  s, e = starts[idx[order]], ends[idx[order]]
+  out = [""] * len(idx)
+  a = 0
+  while a < len(order):
+    b = a + max(1, int(np.searchsorted(s[a:], s[a] + _SPAN, side="right")))
+    lo = int(s[a])
+    f.seek(lo)
+    buf = f.read(int(e[a:b].max()) - lo)
+    for k, x, y in zip(order[a:b].tolist(), (s[a:b] - lo).tolist(), (e[a:b] - lo).tolist()):
+      out[k] = buf[x:y].decode("utf-8")
+    a = b
+  return out
 
 
-def make_builder(train_files: str, validation_files: str = "", test_files: str = "",
-                 src_lang: str = "en", tgt_lang: str = "fr",
-                 data_dir: str | None = None) -> ParallelText:
-  """Checks the files (UserError on any problem) and returns the (unbuilt) builder."""
-  files = resolve_files(train_files, validation_files, test_files, src_lang, tgt_lang)
-  config = ParallelTextConfig(
-      name=config_name(files, src_lang, tgt_lang),
-      files=tuple((s, tuple(os.path.abspath(p) for p in f.paths)) for s, f in files.items()),
-      src_lang=src_lang, tgt_lang=tgt_lang)
-  builder = ParallelText(config=config, data_dir=data_dir or None, file_format="array_record")
-  if not builder.is_prepared():  # (a prepared config has the same bytes: already checked)
-    check_files(files)
-  return builder
+class TextCorpus:
+  """Your parallel text's splits, read by line number (`read`), never held whole."""
+
+  def __init__(self, files: dict[str, SplitFiles], src_lang: str, tgt_lang: str,
+               reverse: bool = False):
+    self.files = files
+    self.src_lang, self.tgt_lang = src_lang, tgt_lang
+    self.src_key, self.tgt_key = (tgt_lang, src_lang) if reverse else (src_lang, tgt_lang)
+    self.name = f"parallel_text {files['train'].paths[0]}"
+    self.splits = tuple(files)
+    self._text = {split: tuple(TextFile(p, f.is_tsv) for p in f.paths)
+                  for split, f in files.items()}
+    for split, f in self._text.items():
+      if len(f) == 2 and len(f[0]) != len(f[1]):
+        raise UserError(f"parallel_text: {f[0].path} has {len(f[0])} lines but "
+                        f"{f[1].path} has {len(f[1])} lines")
+
+  def num_examples(self, split: str) -> int:
+    return len(self._text[split][0])
+
+  def check(self, split: str) -> None:
+    """The split's files are UTF-8 (`TextFile.check`)."""
+    for f in self._text[split]:
+      f.check()
+
+  def identity(self, split: str) -> str:
+    """What a split's pairs are: the languages, the direction and its files' SHA-256."""
+    return (f"parallel_text {self.src_key}>{self.tgt_key} "
+            + " ".join(f.sha256 for f in self._text[split]))
+
+  def files_sha256(self, split: str) -> str:
+    """SHA-256 of the split's files' SHA-256 digests, in file order."""
+    h = hashlib.sha256()
+    for f in self._text[split]:
+      h.update(bytes.fromhex(f.sha256))
+    return h.hexdigest()
+
+  def text_bytes(self, split: str) -> int:
+    return int(sum((f.ends - f.starts).sum() for f in self._text[split]))
+
+  def read(self, split: str, indices=None) -> tuple[list[str], list[str]]:
+    """(sources, targets) of pairs `indices` (default: all) of `split`."""
+    if split not in self._text:
+      raise UserError(f"dataset {self.name} has no split {split!r} "
+                      f"(available: {', '.join(self.splits)})")
+    f = self._text[split]
+    src, tgt = f[0].columns(indices) if len(f) == 1 else (f[0].lines(indices),
+                                                           f[1].lines(indices))
+    return (tgt, src) if self.src_key != self.src_lang else (src, tgt)
+
+
+def open_corpus(train_files: str, validation_files: str = "", test_files: str = "",
+                src_lang: str = "en", tgt_lang: str = "fr", reverse: bool = False
+                ) -> TextCorpus:
+  """The corpus the config names, its files scanned and checked (UserError on a problem)."""
+  return TextCorpus(resolve_files(train_files, validation_files, test_files, src_lang,
+                                  tgt_lang), src_lang, tgt_lang, reverse)

@@ -1,15 +1,18 @@
-"""Deterministic batches from tokenized examples: length policy, packing, host shards.
+"""Deterministic batches from stored token ids: length policy, packing, host shards.
 
-Examples are stored ragged (`Ragged`: one flat int32 token array + offsets), tokenized once.
+Pairs are stored ragged (`Ragged`: one flat token array, maybe memory-mapped, + offsets),
+tokenized once (token_ids.py). The length policy reads their lengths only (`Pairs`: which
+pairs, how long in a row); a batch copies just its own rows' tokens, EOS appended.
 Training order is a pure function of (seed, step, process): the stream is cut into epochs of
-exactly `steps_per_epoch` batches; epoch e visits this host's examples in the order
+exactly `steps_per_epoch` batches; epoch e visits this host's pairs in the order
 `permutation(seed, e, process_index)`, packs them into rows in that order (first-fit over
-the last 64 rows started, or one example per row), wraps around to the start of the order
-if rows are left, and skips the few examples that do not fit. So batch k is found by
+the last 64 rows started, or one pair per row), wraps around to the start of the order
+if rows are left, and skips the few pairs that do not fit. So batch k is found by
 computing the plan of epoch k // steps_per_epoch only, and resuming at step k is exact.
 
-Batch assembly is vectorised NumPy (no per-token Python loop); planning an epoch is one
-short Python loop per example.
+The plan is NumPy arrays (which pair goes where), its first-fit loop compiled C where a
+compiler is (first_fit.c, ~50x the Python loop it mirrors); batch assembly is vectorised
+NumPy.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
+from seq2seq.data import first_fit
 from seq2seq.data.tokenizer import EOS_ID, PAD_ID
 
 
@@ -78,27 +82,44 @@ def _gather_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
   return np.repeat(starts - excl, lens) + np.arange(total, dtype=np.int64)
 
 
-def apply_length_policy(src: Ragged, tgt: Ragged, max_src_len: int, max_tgt_len: int,
-                        policy: str):
-  """EOS-terminates every pair and enforces the limits (EOS included).
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+  """Training pairs as rows hold them: pair i is the source ids `src[keep[i]]` cut to
+  `src_len[i] - 1` tokens, then EOS; the same for the target. `src`/`tgt` are the stored
+  token ids (their `flat` may be memory-mapped): nothing here copies them whole."""
+  src: Ragged
+  tgt: Ragged
+  keep: np.ndarray      # int64 [n]: which stored pairs
+  src_len: np.ndarray   # int32 [n]: tokens in a row, EOS included
+  tgt_len: np.ndarray
 
-  Returns (src, tgt, kept_index, stats). "drop" removes over-long pairs, "truncate" cuts
-  them (keeping the final EOS).
-  """
+  def __len__(self) -> int:
+    return len(self.keep)
+
+  def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pair i's (source, target) tokens as a row holds them."""
+    out = []
+    for ids, lens in ((self.src, self.src_len), (self.tgt, self.tgt_len)):
+      out.append(np.append(ids[int(self.keep[i])][:lens[i] - 1], EOS_ID).astype(np.int32))
+    return out[0], out[1]
+
+
+def apply_length_policy(src: Ragged, tgt: Ragged, max_src_len: int, max_tgt_len: int,
+                        policy: str) -> tuple[Pairs, dict]:
+  """The pairs training takes, EOS-terminated, within the limits (EOS included): "drop"
+  leaves over-long pairs out, "truncate" cuts them (keeping the final EOS). Reads the
+  lengths only. Returns (pairs, stats)."""
   n = len(src)
-  too_long = (src.lengths + 1 > max_src_len) | (tgt.lengths + 1 > max_tgt_len)
-  if policy == "drop":
-    kept = np.flatnonzero(~too_long)
-    if len(kept) < n:
-      src, tgt = src.take(kept), tgt.take(kept)
-  else:
-    kept = np.arange(n)
-  src, _ = src.with_eos(max_src_len)
-  tgt, _ = tgt.with_eos(max_tgt_len)
-  stats = {"examples": n, "kept": int(len(kept)),
+  src_lens, tgt_lens = src.lengths + 1, tgt.lengths + 1
+  too_long = (src_lens > max_src_len) | (tgt_lens > max_tgt_len)
+  keep = np.flatnonzero(~too_long) if policy == "drop" else np.arange(n)
+  pairs = Pairs(src, tgt, keep.astype(np.int64),
+                np.minimum(src_lens[keep], max_src_len).astype(np.int32),
+                np.minimum(tgt_lens[keep], max_tgt_len).astype(np.int32))
+  stats = {"examples": n, "kept": int(len(keep)),
            "dropped_too_long": int(too_long.sum()) if policy == "drop" else 0,
            "truncated": int(too_long.sum()) if policy == "truncate" else 0}
-  return src, tgt, kept, stats
+  return pairs, stats
 
 
 # --- training order ------------------------------------------------------------------------
@@ -109,7 +130,7 @@ def epoch_permutation(n: int, seed: int, epoch: int, process_index: int) -> np.n
 
 # Rows filled at once when packing: more pack tighter but plan slower. On the README's Bible
 # corpus (27k pairs, rows of 64 tokens) target tokens fill 72% of the rows when they are
-# filled one at a time, 86% with 8 open, 92% with 64 (~1.6 us per example), 93% with 128.
+# filled one at a time, 86% with 8 open, 92% with 64, 93% with 128.
 OPEN_ROWS = 64
 
 
@@ -119,68 +140,99 @@ def plan_rows(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray,
 
   Examples are taken in `order`, and again from its start while rows are missing
   (`num_rows=None`: the rows of one pass). Without packing a row holds one example; packed,
-  see `_first_fit`.
+  see `_first_fit_rows`.
   """
   if not pack:
     rows = len(order) if num_rows is None else num_rows
     return np.resize(order, rows), np.arange(rows + 1, dtype=np.int64)
-  args = order.tolist(), src_lens.tolist(), tgt_lens.tolist(), seq_len
-  rows = _first_fit(*args, max_rows=num_rows or len(order))
-  while num_rows and len(rows) < num_rows:
-    rows += _first_fit(*args, max_rows=num_rows - len(rows))
-  bounds = np.zeros(len(rows) + 1, np.int64)
-  np.cumsum([len(r) for r in rows], out=bounds[1:])
-  return np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(bounds[-1])), bounds
+  return extend_plan(one_pass(src_lens, tgt_lens, order, num_rows or len(order), seq_len),
+                     src_lens, tgt_lens, order, num_rows, seq_len)
 
 
-def _first_fit(order: list, src_lens: list, tgt_lens: list, seq_len: int, max_rows: int
-               ) -> list[list[int]]:
-  """The rows (lists of example ids) of one pass over `order`, at most `max_rows`.
+def one_pass(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray, max_rows: int,
+             seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """The packed rows of one pass over `order` (at most `max_rows`) as (stream, bounds)."""
+  s = np.ascontiguousarray(src_lens[order], np.int32)
+  t = np.ascontiguousarray(tgt_lens[order], np.int32)
+  row = first_fit.rows(s, t, seq_len, OPEN_ROWS, max_rows)
+  if row is None:   # no C compiler: the same rule in Python
+    row = _first_fit_rows(s, t, seq_len, OPEN_ROWS, max_rows)
+  placed = np.flatnonzero((row >= 0) & (row < max_rows))   # arrival positions, in order
+  by_row = placed[np.argsort(row[placed], kind="stable")]  # a row's examples as they came
+  counts = np.bincount(row[placed], minlength=0)
+  bounds = np.zeros(len(counts) + 1, np.int64)
+  np.cumsum(counts, out=bounds[1:])
+  return np.asarray(order, np.int64)[by_row], bounds
 
-  First-fit over the last OPEN_ROWS rows started: an example goes into the oldest of them
+
+def extend_plan(plan, src_lens, tgt_lens, order, num_rows: int | None, seq_len: int):
+  """`plan` (one pass's rows) followed by further passes over `order` until `num_rows`."""
+  streams, bounds = [plan[0]], [plan[1]]
+  rows = len(plan[1]) - 1
+  while num_rows and rows < num_rows:
+    stream, b = one_pass(src_lens, tgt_lens, order, num_rows - rows, seq_len)
+    streams.append(stream)
+    bounds.append(b[1:] + bounds[-1][-1])
+    rows += len(b) - 1
+  return np.concatenate(streams), np.concatenate(bounds)
+
+
+def _first_fit_rows(src_len: np.ndarray, tgt_len: np.ndarray, seq_len: int, window: int,
+                    max_rows: int) -> np.ndarray:
+  """The row of each example of a pass (examples in arrival order), -1 after the pass ended.
+
+  First-fit over the last `window` rows started: an example goes into the oldest of them
   where both its source and its target tokens still fit, or else starts a new row, which
-  finishes the oldest when OPEN_ROWS are open. The pass ends by finishing the open rows, so
-  every example is placed (the length policy makes each one fit a row).
+  closes the oldest when `window` are open. The pass ends once `max_rows` rows are closed.
+  (first_fit.c is this loop compiled: `first_fit.rows` runs it where a C compiler is.)
   """
-  rows, open_rows, room_src, room_tgt = [], [], [], []   # open rows: oldest first
-  for e in order:
-    s, t = src_lens[e], tgt_lens[e]
-    for j in range(len(open_rows)):
-      if room_src[j] >= s and room_tgt[j] >= t:
-        open_rows[j].append(e)
-        room_src[j] -= s
-        room_tgt[j] -= t
-        break
-    else:
-      if len(open_rows) == OPEN_ROWS:
-        rows.append(open_rows.pop(0))
-        del room_src[0], room_tgt[0]
-        if len(rows) == max_rows:
-          return rows
-      open_rows.append([e])
-      room_src.append(seq_len - s)
-      room_tgt.append(seq_len - t)
-  return (rows + open_rows)[:max_rows]
+  row = np.full(len(src_len), -1, np.int64)
+  room_src, room_tgt, ids = [], [], []   # the open rows, oldest first
+  started = 0
+  for a in range(0, len(src_len), 1 << 16):   # Python ints a chunk at a time
+    for i, (s, t) in enumerate(zip(src_len[a:a + (1 << 16)].tolist(),
+                                   tgt_len[a:a + (1 << 16)].tolist()), a):
+      for j in range(len(ids)):
+        if room_src[j] >= s and room_tgt[j] >= t:
+          room_src[j] -= s
+          room_tgt[j] -= t
+          row[i] = ids[j]
+          break
+      else:
+        if len(ids) == window:
+          if started - window + 1 == max_rows:
+            return row
+          del room_src[0], room_tgt[0], ids[0]
+        room_src.append(seq_len - s)
+        room_tgt.append(seq_len - t)
+        ids.append(started)
+        row[i] = started
+        started += 1
+  return row
 
 
-def assemble(src: Ragged, tgt: Ragged, stream: np.ndarray, bounds: np.ndarray,
-             seq_len: int, pack: bool) -> dict[str, np.ndarray]:
-  """Rows bounds[r]..bounds[r+1] of `stream` (example ids) into [R, seq_len] arrays."""
+def assemble(pairs: Pairs, stream: np.ndarray, bounds: np.ndarray, seq_len: int,
+             pack: bool) -> dict[str, np.ndarray]:
+  """Rows bounds[r]..bounds[r+1] of `stream` (pair ids) into [R, seq_len] arrays."""
   num_rows = len(bounds) - 1
   ex = stream[bounds[0]:bounds[-1]]
+  stored = pairs.keep[ex]
   counts = np.diff(bounds)
   row = np.repeat(np.arange(num_rows), counts)
   seg = np.arange(len(ex)) - np.repeat(bounds[:-1] - bounds[0], counts) + 1  # 1, 2, .. per row
   out = {}
-  for name, data in (("src", src), ("tgt", tgt)):
-    lens = data.lengths[ex]
+  for name, ids, all_lens in (("src", pairs.src, pairs.src_len),
+                              ("tgt", pairs.tgt, pairs.tgt_len)):
+    lens = all_lens[ex].astype(np.int64)
     # column where each example starts: exclusive cumsum of lengths within its row
     csum = np.cumsum(lens) - lens
     row_start = np.repeat(csum[bounds[:-1] - bounds[0]], counts)
-    col = csum - row_start
-    dest = _gather_index(row * seq_len + col, lens)
+    start = row * seq_len + csum - row_start
+    dest = _gather_index(start, lens)
     tokens = np.zeros(num_rows * seq_len, np.int32)
-    tokens[dest] = data.flat[_gather_index(data.offsets[ex], lens)]
+    tokens[_gather_index(start, lens - 1)] = ids.flat[_gather_index(ids.offsets[stored],
+                                                                    lens - 1)]
+    tokens[start + lens - 1] = EOS_ID
     segments = np.zeros(num_rows * seq_len, np.int32)
     segments[dest] = np.repeat(seg, lens)
     if pack:
@@ -195,41 +247,47 @@ def assemble(src: Ragged, tgt: Ragged, stream: np.ndarray, bounds: np.ndarray,
 
 
 class TrainStream:
-  """Infinite, deterministic training batches of one host's examples.
+  """Infinite, deterministic training batches of one host's pairs.
 
-  `src`/`tgt` are EOS-terminated and fit `seq_len`. Batch k (a dict of int32
-  [batch_size, seq_len]) depends only on (seed, k, process_index) and the data.
+  Batch k (a dict of int32 [batch_size, seq_len]) depends only on (seed, k, process_index)
+  and the data. `pairs` fit `seq_len` (the length policy's limits).
   """
 
-  def __init__(self, src: Ragged, tgt: Ragged, *, batch_size: int, seq_len: int, pack: bool,
-               seed: int, process_index: int = 0):
-    if len(src) == 0:
+  def __init__(self, pairs: Pairs, *, batch_size: int, seq_len: int, pack: bool, seed: int,
+               process_index: int = 0):
+    if len(pairs) == 0:
       raise ValueError("no training examples")
-    self.src, self.tgt = src, tgt
+    self.pairs = pairs
     self.batch_size, self.seq_len, self.pack = batch_size, seq_len, pack
     self.seed, self.process_index = seed, process_index
-    self._src_lens, self._tgt_lens = src.lengths, tgt.lengths
-    self._plans = {}
-    # Epoch 0 packed freely sets the number of steps of every epoch.
-    _, bounds = plan_rows(self._src_lens, self._tgt_lens, self._order(0), None, seq_len, pack)
-    rows = len(bounds) - 1
+    # Epoch 0's one pass sets the number of steps of every epoch (and starts its plan).
+    order = self._order(0)
+    if pack:
+      first = one_pass(pairs.src_len, pairs.tgt_len, order, len(order), seq_len)
+      rows = len(first[1]) - 1
+    else:
+      first, rows = None, len(order)
     self.steps_per_epoch = max(1, -(-rows // batch_size))
+    num_rows = self.steps_per_epoch * batch_size
+    self._plans = {0: (extend_plan(first, pairs.src_len, pairs.tgt_len, order, num_rows,
+                                   seq_len) if pack else
+                       plan_rows(None, None, order, num_rows, seq_len, False))}
 
   def _order(self, epoch: int) -> np.ndarray:
-    return epoch_permutation(len(self.src), self.seed, epoch, self.process_index)
+    return epoch_permutation(len(self.pairs), self.seed, epoch, self.process_index)
 
   def _plan(self, epoch: int):
     if epoch not in self._plans:  # keeps one epoch's
-      self._plans = {epoch: plan_rows(self._src_lens, self._tgt_lens, self._order(epoch),
-                                      self.steps_per_epoch * self.batch_size, self.seq_len,
-                                      self.pack)}
+      self._plans = {epoch: plan_rows(self.pairs.src_len, self.pairs.tgt_len,
+                                      self._order(epoch), self.steps_per_epoch * self.batch_size,
+                                      self.seq_len, self.pack)}
     return self._plans[epoch]
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     epoch, i = divmod(step, self.steps_per_epoch)
     stream, bounds = self._plan(epoch)
     b = bounds[i * self.batch_size:(i + 1) * self.batch_size + 1]
-    return assemble(self.src, self.tgt, stream, b, self.seq_len, self.pack)
+    return assemble(self.pairs, stream, b, self.seq_len, self.pack)
 
   def __call__(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     step = start_step
@@ -242,13 +300,15 @@ class TrainStream:
     stream, bounds = self._plan(epoch)
     ex = stream[:bounds[-1]]
     rows = self.steps_per_epoch * self.batch_size
+    placed = np.zeros(len(self.pairs), bool)
+    placed[ex] = True
     return {
         "steps_per_epoch": self.steps_per_epoch,
         "examples_per_epoch": int(len(ex)),
-        "distinct_examples_per_epoch": int(len(np.unique(ex))),
+        "distinct_examples_per_epoch": int(placed.sum()),
         "examples_per_step": len(ex) / self.steps_per_epoch,
-        "src_fill": float(self._src_lens[ex].sum() / (rows * self.seq_len)),
-        "tgt_fill": float(self._tgt_lens[ex].sum() / (rows * self.seq_len)),
+        "src_fill": float(self.pairs.src_len[ex].sum() / (rows * self.seq_len)),
+        "tgt_fill": float(self.pairs.tgt_len[ex].sum() / (rows * self.seq_len)),
     }
 
 

@@ -63,20 +63,11 @@ class Tokenizer:
     `vocab_size` counts everything (4 specials + 256 byte pieces + learned pieces); it is a
     soft limit for unigram (a small corpus may yield fewer pieces instead of failing).
     """
-    if model_type not in ("unigram", "bpe", "char", "word"):
-      raise UserError(f"spm_model_type must be unigram, bpe, char or word, got {model_type!r}")
-    if vocab_size < 4 + 256 + 2:
-      raise UserError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 260 "
-                      f"ids plus a few pieces")
     out = io.BytesIO()
     try:
       spm.SentencePieceTrainer.train(
-          sentence_iterator=iter(sentences), model_writer=out, vocab_size=vocab_size,
-          model_type=model_type, character_coverage=character_coverage, byte_fallback=True,
-          pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
-          pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>", unk_piece="<unk>",
-          hard_vocab_limit=False, train_extremely_large_corpus=False,
-          max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=2)
+          sentence_iterator=iter(sentences), model_writer=out,
+          **cls.trainer_args(vocab_size, model_type, character_coverage, num_threads))
     except RuntimeError as e:
       raise UserError(f"SentencePiece training failed: {str(e).strip().splitlines()[-1]}") \
           from None
@@ -84,6 +75,22 @@ class Tokenizer:
     if path:
       atomic_write(path, out.getvalue())
     return tok
+
+  @staticmethod
+  def trainer_args(vocab_size: int = 8000, model_type: str = "unigram",
+                   character_coverage: float = 1.0, num_threads: int = 2) -> dict:
+    """SentencePieceTrainer.train's settings for a vocabulary of `vocab_size` ids."""
+    if model_type not in ("unigram", "bpe", "char", "word"):
+      raise UserError(f"spm_model_type must be unigram, bpe, char or word, got {model_type!r}")
+    if vocab_size < 4 + 256 + 2:
+      raise UserError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 260 "
+                      f"ids plus a few pieces")
+    return dict(vocab_size=vocab_size, model_type=model_type,
+                character_coverage=character_coverage, byte_fallback=True,
+                pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+                pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>", unk_piece="<unk>",
+                hard_vocab_limit=False, train_extremely_large_corpus=False,
+                max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=2)
 
   # --- use -------------------------------------------------------------------------------
 
