@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from seq2seq.config import Config
+from seq2seq.kernels import accelerator
 from seq2seq.model import Transformer
 from seq2seq.optim import make_optimizer, warmup_rsqrt_schedule
 
@@ -44,7 +45,8 @@ def as_float32(tree):
 @functools.partial(jax.jit, static_argnums=0)   # one program, not one per operation
 def init_state(cfg: Config, rng: jax.Array) -> TrainState:
   dummy = jnp.ones((1, 8), jnp.int32)
-  params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]
+  with accelerator.plain():   # no attention choice for a form only the init has
+    params = Transformer(cfg.model).init(rng, dummy, dummy)["params"]
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer(cfg).init(as_float32(params)))
 

@@ -134,9 +134,18 @@ class Trainer:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         abstract, self.state_sharding)
     self.init = jax.jit(lambda rng: init_state(cfg, rng), out_shardings=self.state_sharding)
+    # What the train step's trace gave cuDNN's attention (accelerator.Recording; None until
+    # it is traced): the forms `step_with_fallback` watches.
+    self.attention = None
+
+    def step(s, b):
+      with accelerator.recording() as traced:
+        try:
+          return train_step(s, b, cfg=cfg, bos_id=bos_id)
+        finally:
+          self.attention = traced
     self.step = jax.jit(
-        lambda s, b: train_step(s, b, cfg=cfg, bos_id=bos_id),
-        in_shardings=(self.state_sharding, self.batch_sharding),
+        step, in_shardings=(self.state_sharding, self.batch_sharding),
         out_shardings=(self.state_sharding, shd.replicated(self.mesh)), donate_argnums=0)
     self.eval = jax.jit(
         lambda p, b: eval_step(p, b, cfg=cfg, bos_id=bos_id),
@@ -158,22 +167,105 @@ class Trainer:
     return jax.tree_util.tree_map(lambda x: x.addressable_data(0), rep)
 
 
-def redo_without_cudnn(trainer: Trainer, state: TrainState, batch: dict, m: dict) -> tuple:
-  """The net under cuDNN's attention. If the step that made `state` and its metrics `m`
-  had a non-finite loss or gradient (so left the parameters as they were) and its attention
-  ran on cuDNN, those forms move to XLA's attention and the step is redone on the same
-  batch with a new trainer. Returns (trainer, state, m, a line saying so or None)."""
-  if not accelerator.training_on_cudnn() or int(m["first_bad_step"]) == NO_STEP:
-    return trainer, state, m, None
+def step_with_fallback(trainer: Trainer, state: TrainState, batch: dict,
+                       watch: bool = True) -> tuple:
+  """`trainer.step(state, batch)` with the net under cuDNN's attention (unless not
+  `watch`). Returns (trainer, state, m, the lines saying what moved to XLA's attention).
+
+  If the step gave cuDNN's attention any form and it failed with it (a cuDNN call raised
+  while the step was traced, its compile or run raised, or its loss or gradient was
+  non-finite while differentiated calls took cuDNN), those forms move to XLA's attention
+  and a new trainer redoes the step on the same batch. Every host decides alike: the step
+  is compiled everywhere before it runs anywhere, and failures are OR-ed over the hosts. A
+  move is stored for later runs on this machine only once the redo has shown cuDNN was the
+  cause (it compiled and ran; for a non-finite step, it was finite): a run that diverges on
+  XLA's attention too keeps cuDNN. With nothing on cuDNN this is the plain step."""
+  if not watch or accelerator.requested() != "auto":   # (cudnn: its errors surface)
+    state, m = trainer.step(state, batch)
+    return trainer, state, m, []
+  failure = _failed_before_running(trainer, state, batch)
+  if failure is None:
+    try:
+      new, m = trainer.step(state, batch)
+      if trainer.attention.uses:
+        jax.block_until_ready(m)   # (runs out or fails here)
+    except Exception as e:
+      if (jax.process_count() > 1 or _out_of_memory(e)
+          or any(x.is_deleted() for x in jax.tree_util.tree_leaves(state))):
+        raise   # (another host may wait inside the step: no agreement is safe here)
+      failure = (trainer.attention.in_programs(), accelerator.first_line(e), e)
+  if failure is not None:
+    uses, why, error = failure
+    if not uses:
+      raise error
+    step = int(state.step) + 1
+    return _redo(trainer, state, batch, uses, step, nonfinite=False,
+                 line=f"step {step}: cuDNN's attention failed ({why}; query x key lengths "
+                      f"{accelerator.lengths(k for k, _ in uses)})")
+  training = trainer.attention.training()
+  if not training or not accelerator.agree_any([int(m["first_bad_step"]) < NO_STEP])[0]:
+    return trainer, new, m, []
   step = int(m["first_bad_step"])
-  forms = accelerator.move_training_to_xla(f"a train step with it was non-finite (step {step})")
-  trainer = Trainer(trainer.cfg, trainer.mesh, trainer.bos_id)
-  state, m = trainer.step(state.replace(step=state.step - 1), batch)
-  shapes = ", ".join(f"{q}x{k}" for *_, q, k, _ in forms)
-  again = ("; still non-finite with XLA's" if int(m["first_bad_step"]) < NO_STEP else "")
-  return trainer, state, m, (f"step {step}: non-finite loss or gradient with cuDNN's "
-                             f"attention (query x key lengths {shapes}): moved to XLA's "
-                             f"attention and redid the step{again}")
+  return _redo(trainer, new.replace(step=new.step - 1), batch,
+               [(k, "train") for k in training], step, nonfinite=True,
+               line=f"step {step}: non-finite loss or gradient with cuDNN's attention "
+                    f"(query x key lengths {accelerator.lengths(training)})")
+
+
+def _failed_before_running(trainer: Trainer, state, batch) -> tuple | None:
+  """Traces and compiles the step if it is not yet (on every host, before any runs it).
+  None if nothing failed on cuDNN on any host; else (the (form, role) pairs to move, why,
+  the error to raise if they were not the cause)."""
+  error = None
+  if trainer.attention is None:
+    try:
+      trainer.step.lower(state, batch).compile()
+    except Exception as e:
+      error = e
+  traced = trainer.attention
+  if traced is None or not traced.uses:   # nothing on cuDNN, anywhere
+    if error is not None:
+      raise error
+    return None
+  failed = accelerator.agree_any([error is not None] + [u in traced.failed for u in traced.uses])
+  if not failed.any():
+    return None
+  if error is not None and _out_of_memory(error):
+    raise error
+  if failed[0]:   # the whole program: any of its cuDNN calls may be why
+    why = accelerator.first_line(error) if error is not None else "on another host"
+    return traced.in_programs(), why, error or RuntimeError(f"the train step failed {why}")
+  uses = [u for u, f in zip(traced.uses, failed[1:]) if f]
+  why = next((traced.failed[u] for u in uses if u in traced.failed), "on another host")
+  return uses, f"{why}, while traced", RuntimeError(why)
+
+
+def _redo(trainer: Trainer, state, batch, uses, step: int, nonfinite: bool, line: str):
+  """The step redone from `state` by a new trainer with `uses` on XLA's attention; the move
+  stored if the redo shows cuDNN was the cause, undone otherwise."""
+  reason = (f"a train step with it was non-finite (step {step})" if nonfinite else
+            f"a train step with it failed (step {step})")
+  moved = accelerator.move_to_xla(uses, reason)
+  try:
+    redo, state, m, said = step_with_fallback(Trainer(trainer.cfg, trainer.mesh,
+                                                      trainer.bos_id), state, batch)
+  except Exception:
+    accelerator.undo(moved)   # it fails without them too: not their doing
+    raise
+  if nonfinite and int(m["first_bad_step"]) < NO_STEP:
+    # The run diverged: not cuDNN's doing. Its verdicts stay as they were; this run, which
+    # stops at its next log, goes on with the redo's trainer (no further redo).
+    accelerator.undo(moved)
+    line += (": non-finite with XLA's attention too on the same batch, so not cuDNN's "
+             "doing (its verdicts kept)")
+    return redo, state, m, [line, *said]
+  accelerator.keep(moved)
+  line += ": moved to XLA's attention and redid the step"
+  return redo, state, m, [line, *said]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+  return "RESOURCE_EXHAUSTED" in str(e)
 
 
 def check_runnable(cfg: Config) -> None:

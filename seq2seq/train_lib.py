@@ -27,7 +27,7 @@ from seq2seq.kernels import malloc
 from seq2seq.lock import WorkdirLock, WorkdirLocked
 from seq2seq.state import schedule
 from seq2seq.steps import (NO_STEP, Trainer, accumulate, check_runnable,
-                           raise_if_out_of_memory, redo_without_cudnn)
+                           raise_if_out_of_memory, step_with_fallback)
 from seq2seq.workdir import Workdir
 
 # Importable from here as before the steps and the workdir's preparation moved.
@@ -36,7 +36,7 @@ from seq2seq.state import TrainState, init_state, optimizer  # noqa: E402,F401
 from seq2seq.steps import NO_STEP as _NO_STEP, eval_step, loss_and_metrics, train_step  # noqa
 from seq2seq.workdir import prepare_workdir  # noqa: E402,F401
 
-CUDNN_WATCH_STEPS = 50   # steps checked as they end while on cuDNN (redo_without_cudnn)
+CUDNN_WATCH_STEPS = 50   # steps checked as they end while on cuDNN (step_with_fallback)
 _DEBUG_SIGKILL_AT = int(os.environ.get("SEQ2SEQ_DEBUG_SIGKILL_AT_STEP", "-1"))
 
 
@@ -260,12 +260,11 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
   try:
     while step < tc.steps:
       batch = trainer.global_batch(next(batches))
-      state, m = trainer.step(state, batch)
+      trainer, state, m, said = step_with_fallback(   # the net under cuDNN's attention
+          trainer, state, batch, watch=step - start < CUDNN_WATCH_STEPS)
+      for line in said:
+        _say(bar, line)
       step += 1
-      if step - start <= CUDNN_WATCH_STEPS:   # the net under cuDNN's attention
-        trainer, state, m, said = redo_without_cudnn(trainer, state, batch, m)
-        if said:
-          _say(bar, said)
       if step == start + 1:      # compiled: give the compiler's memory back (tuned malloc
         jax.block_until_ready(m)   # keeps what is freed, see seq2seq.malloc)
         malloc.release_freed_memory()

@@ -5,6 +5,9 @@ XLA's attention. cuDNN is emulated on any machine by an implementation made to f
 real one was seen to (NaN gradients for queries with no allowed key at lengths of 64 mod
 128, on an H100)."""
 import functools
+import json
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 import seq2seq
-from seq2seq import kernels, model as model_lib
+from seq2seq import config as config_lib, kernels, model as model_lib, steps, train_lib
 from seq2seq.config import Config, DataConfig, TrainConfig
 from seq2seq.data import testing as data_testing
 from seq2seq.kernels import accelerator as acc
@@ -172,7 +175,7 @@ def _corpus(root):
   return data_testing.write_tsv(f"{root}/train.tsv", pairs)
 
 
-def _train(tmp_path, name, steps=4):
+def _train(tmp_path, name, steps=4, **train):
   from seq2seq import train_lib
   cfg = _cfg()
   cfg = cfg.replace(
@@ -180,7 +183,8 @@ def _train(tmp_path, name, steps=4):
                       data_dir=str(tmp_path / "tfds"), vocab_size=300, max_src_len=32,
                       max_tgt_len=32),
       train=cfg.train.replace(steps=steps, log_every=2, checkpoint_every=steps,
-                              eval_every=1000, num_eval_examples=4, eval_batch_size=4))
+                              eval_every=1000, num_eval_examples=4, eval_batch_size=4,
+                              **train))
   result = train_lib.train(cfg, tmp_path / name, progress=False)
   from seq2seq.load import load_workdir
   return result, load_workdir(tmp_path / name)[1]
@@ -196,7 +200,7 @@ def test_a_step_non_finite_on_cudnn_is_redone_on_xla(fake_cudnn, tmp_path, capsy
   said = capsys.readouterr().err
   assert said.count("non-finite loss or gradient with cuDNN's attention") == 1, said
   assert "moved to XLA's attention and redid the step" in said
-  assert not acc.training_on_cudnn()
+  assert not any(v["train"]["ok"] for v in acc.verdicts()), acc.verdicts()
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv(acc.ENV, "xla")
     plain, want = _train(tmp_path, "xla")
@@ -219,10 +223,163 @@ def test_verdicts_are_kept_for_the_next_run_on_the_same_machine(fake_cudnn, tmp_
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
   monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
-  acc.move_training_to_xla("test")
+  acc.keep(acc.move_to_xla([(acc._signature(x, x, mask), "train")], "test"))
   monkeypatch.setattr(acc, "_VERDICTS", {})
   assert acc.choose(x, x, mask) == ("cudnn", "xla") and len(probes) == 2
   monkeypatch.setattr(acc, "_machine", lambda: "another GPU")
   monkeypatch.setattr(acc, "_VERDICTS", {})
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 4
   assert (tmp_path / "attention_verdicts.json").exists()
+
+
+# --- what the net watches, when it moves and what it stores -------------------------------
+
+def _verdicts_kept(tmp_path, monkeypatch):
+  """The verdicts file in `tmp_path`; its contents (a function)."""
+  path = tmp_path / "attention_verdicts.json"
+  monkeypatch.setattr(acc, "_verdicts_file", lambda: path)
+  return lambda: json.loads(path.read_text())
+
+
+def _diverging(monkeypatch):
+  """A learning rate that makes the parameters non-finite at step 1, so step 2's loss is
+  non-finite whatever attention runs (the bound on learning rates lifted for it)."""
+  monkeypatch.setattr(config_lib, "MAX_PEAK_LEARNING_RATE", float("inf"))
+  return dict(learning_rate_scale=1e40)
+
+
+def test_only_differentiated_calls_are_probed_backward_and_init_chooses_nothing(
+    fake_cudnn, monkeypatch):
+  """A model's init probes nothing; a plain forward call (decoding, evaluation) probes its
+  form's forward alone; a differentiated call of the form adds its backward."""
+  fake_cudnn(lambda q, mask: jnp.zeros(q.shape[:2], bool))
+  probes = []
+  real_probe = acc._probe
+  monkeypatch.setattr(acc, "_probe", lambda q, k, mask, train: probes.append(
+      (q.shape[1], train)) or real_probe(q, k, mask, train))
+  from seq2seq.state import init_state
+  jax.eval_shape(lambda: init_state(_cfg(), jax.random.key(0)))
+  assert probes == [] and acc.verdicts() == []
+  x, mask = jnp.ones((4, 2, 16, 16), jnp.bfloat16), jnp.ones((4, 1, 16, 16), bool)
+  f = lambda x: acc.attention(x, x, x, mask).astype(jnp.float32).sum()   # [B, H, L, D]
+  jax.jit(f)(x)
+  assert probes == [(16, False)]
+  jax.jit(jax.grad(f))(x)
+  assert probes == [(16, False), (16, True)]
+
+
+def test_a_non_finite_step_with_nothing_trained_on_cudnn_redoes_nothing(
+    fake_cudnn, tmp_path, capsys, monkeypatch):
+  """cuDNN refused for the run's differentiated calls (its backward NaN at the run's
+  lengths), forward taken: a non-finite step (a diverging learning rate) is not blamed on
+  cuDNN: no line, no new trainer (nothing recompiled), and the run stops as any diverging
+  run does."""
+  fake_cudnn(lambda q, mask: jnp.broadcast_to(mask.shape[-1] > 8, q.shape[:2]))
+  made = []
+
+  class Counted(steps.Trainer):
+    def __init__(self, *a, **kw):
+      made.append(1)
+      super().__init__(*a, **kw)
+  monkeypatch.setattr(steps, "Trainer", Counted)   # the net's new trainers
+  with pytest.raises(train_lib.NonFiniteLoss):
+    _train(tmp_path, "w", **_diverging(monkeypatch))
+  said = capsys.readouterr().err
+  assert "cuDNN" not in said and made == [], said
+  assert any(v["forward"]["ok"] for v in acc.verdicts())
+  assert not any(v["train"]["ok"] for v in acc.verdicts()), acc.verdicts()
+
+
+def test_a_step_non_finite_on_xla_too_leaves_the_verdicts_as_they_were(
+    fake_cudnn, tmp_path, capsys, monkeypatch):
+  """cuDNN passes everything and the run diverges: the step redone on XLA's attention is
+  non-finite too, so cuDNN was not the cause: the stored verdicts are those the probes
+  gave, in this process too, and the line says so."""
+  fake_cudnn(lambda q, mask: jnp.zeros(q.shape[:2], bool))
+  stored = _verdicts_kept(tmp_path, monkeypatch)
+  with pytest.raises(train_lib.NonFiniteLoss):
+    _train(tmp_path, "w", **_diverging(monkeypatch))
+  (machine,) = stored().values()
+  assert machine and all(v["train"][0] and v["forward"][0] for v in machine.values()), machine
+  assert all(v["train"]["ok"] for v in acc.verdicts()), acc.verdicts()
+  said = capsys.readouterr().err
+  lines = [line for line in said.splitlines() if "cuDNN" in line]
+  assert len(lines) == 1 and re.fullmatch(
+      r"step 2: non-finite loss or gradient with cuDNN's attention \(query x key lengths "
+      r"64x64\): non-finite with XLA's attention too .*not cuDNN's doing \(its verdicts "
+      r"kept\)", lines[0]), said
+
+
+def _failing_at_the_run_s_batch(how: str):
+  """XLA's attention that fails at the run's batch (more rows than the probe's 3) as
+  cuDNN's was seen to in JAX's issues: its forward or backward raising while traced, or
+  its backward compiling to a call the compiler refuses (a kernel it does not have)."""
+  def run_s(x):
+    return x.shape[0] > 3
+
+  @jax.custom_vjp
+  def attend(q, k, v, mask):
+    if run_s(q) and how == "forward raises while traced":
+      raise ValueError("cuDNN: no engine for this graph")
+    return _xla(q, k, v, mask)
+
+  def fwd(q, k, v, mask):
+    return attend(q, k, v, mask), jax.vjp(lambda q, k, v: _xla(q, k, v, mask), q, k, v)[1]
+
+  def bwd(vjp, g):
+    dq, dk, dv = vjp(g)
+    if run_s(g) and how == "backward raises while traced":
+      raise NotImplementedError("cuDNN's backward: unsupported strides")
+    if run_s(g) and how == "backward fails to compile":
+      dq = jax.ffi.ffi_call("__cudnn$fmhaBackwardEmulated",
+                            jax.ShapeDtypeStruct(dq.shape, dq.dtype))(dq)
+    return dq, dk, dv, None
+  attend.defvjp(fwd, bwd)
+  return attend
+
+
+@pytest.mark.parametrize("how, why", [
+    pytest.param("forward raises while traced",
+                 r"ValueError: cuDNN: no engine for this graph, while traced",
+                 id="forward-raises"),
+    pytest.param("backward raises while traced",
+                 r"NotImplementedError: cuDNN's backward: unsupported strides",
+                 marks=pytest.mark.slow, id="backward-raises"),
+    pytest.param("backward fails to compile", r"JaxRuntimeError: NOT_FOUND: No FFI handler .*",
+                 id="backward-fails-to-compile")])
+def test_a_train_step_failing_on_cudnn_goes_on_with_xla(fake_cudnn, tmp_path, capsys,
+                                                        monkeypatch, how, why):
+  """A cuDNN whose probe passes (3 rows) but which fails in the run's train step (4 rows):
+  the run goes on with XLA's attention, says so in one line, and stores the move once the
+  redone step has run."""
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _failing_at_the_run_s_batch(how))
+  stored = _verdicts_kept(tmp_path, monkeypatch)
+  with warnings.catch_warnings(record=True):   # the evaluation's calls fall back (forward)
+    warnings.simplefilter("always")
+    result, _ = _train(tmp_path, "w")
+  said = capsys.readouterr().err
+  lines = [line for line in said.splitlines() if "cuDNN" in line]
+  assert len(lines) == 1 and re.fullmatch(
+      rf"step 1: cuDNN's attention failed \({why}; query x key lengths [\dx, ]+\): moved to "
+      r"XLA's attention and redid the step", lines[0]), said
+  assert result.step == 4 and np.isfinite(result.train_metrics["loss"])
+  (machine,) = stored().values()
+  moved = [v for v in machine.values() if not v["train"][0]]
+  assert moved and all("failed (step 1)" in v["train"][1] for v in moved), machine
+
+
+def test_verdicts_of_another_probe_are_probed_again(fake_cudnn, tmp_path, monkeypatch):
+  """A stored verdict holds for the probe that gave it: a new PROBE_VERSION probes again."""
+  _verdicts_kept(tmp_path, monkeypatch)
+  fake_cudnn(lambda q, mask: jnp.zeros(q.shape[:2], bool))
+  probes = []
+  real_probe = acc._probe
+  monkeypatch.setattr(acc, "_probe", lambda *a, **kw: probes.append(1) or real_probe(*a, **kw))
+  x, mask = jnp.ones((8, 32, 2, 16), jnp.bfloat16), jnp.ones((8, 1, 32, 32), bool)
+  monkeypatch.setattr(acc, "PROBE_VERSION", 1, raising=False)
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
+  monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process, same probe
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
+  monkeypatch.setattr(acc, "PROBE_VERSION", 2, raising=False)
+  monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process, a new probe
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 4

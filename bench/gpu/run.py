@@ -703,14 +703,14 @@ def _bible_train_argv(args, work: Path, extra=(), workdir: str = "bible") -> lis
 
 
 def _train_summary(text: str, rc: int) -> dict:
-  """train.py's lines: its first step's seconds, a step redone on XLA's attention, and its
-  closing lines: step, seconds, validation and test metrics."""
+  """train.py's lines: its first step's seconds, what cuDNN's attention did (a step redone on
+  XLA's attention), and its closing lines: step, seconds, validation and test metrics."""
   out = {}
   m = re.search(r"^first step in ([\d.]+) s", text, re.M)
   if m:
     out["first_step_s"] = float(m[1])
-  redone = re.findall(r"^step \d+: non-finite loss or gradient with cuDNN's attention.*$", text,
-                      re.M)
+  redone = re.findall(r"^step \d+: (?:non-finite loss or gradient with )?cuDNN's attention.*$",
+                      text, re.M)
   if redone:
     out["redone_on_xla"] = redone
   m = re.search(r"trained to step (\d+) in (\d+) s", text)

@@ -2,9 +2,10 @@
 
 Left to itself (`implementation=None`), jax.nn runs XLA's own attention, never cuDNN's. Here
 the choice is made per form of call (dtype, heads, head size, query and key lengths, mask
-form), once per machine: the verdicts are kept beside the compile cache
-(attention_verdicts.json, by device and JAX and cuDNN versions), so a later run probes
-nothing, and a later run's first step comes from the compile cache alone.
+form) and per role (a plain forward, or a differentiated call: forward and backward), once
+per machine: the verdicts are kept beside the compile cache (attention_verdicts.json, by
+device, JAX and cuDNN versions and `PROBE_VERSION`), so a later run probes nothing, and a
+later run's first step comes from the compile cache alone.
 
   cudnn  cuDNN's fused (flash) attention, on an NVIDIA GPU, for bf16/fp16 inputs whose head
          size is a multiple of 8 (at most 256), when a probe of that form (its own query and
@@ -14,12 +15,20 @@ nothing, and a later run's first step comes from the compile cache alone.
          additive bias broadcast to [B or 1, 1, Q, K].
   xla    XLA's attention: everywhere else, and wherever the probe raised or disagreed.
 
+A form's backward is probed only when a differentiated call of it is traced (a train step):
+decoding, evaluation and a model's init never pay for it. A model's init chooses nothing
+(`plain`: XLA's attention; its output is never read). On several hosts every verdict is
+agreed (cuDNN only where every host's passed), so that every host compiles the same program.
+
 No implementation is given a query with no allowed key (a padding position): such a row
 may attend to every key instead (`open_empty_rows`). Nothing reads its output, and a fused
 kernel never meets a softmax over nothing (cuDNN's backward returns NaN for such rows at
 lengths of 64 mod 128 on H100s: its logsumexp of about -1e12 overflows the padded half of
-the last key tile). If a train step with cuDNN's attention still turns out non-finite, the
-training loop moves its forms to XLA (`move_training_to_xla`) and redoes the step.
+the last key tile). A cuDNN call that raises while a program is traced gives way to XLA's
+in that program. What a program gave cuDNN is recorded while it is traced (`recording`):
+the training loop's net (steps.step_with_fallback) moves a form whose train step failed
+(non-finite, or raised in its trace, compile or run) to XLA's attention (`move_to_xla`),
+redoes the step, and stores the move only once the redo has shown cuDNN was the cause.
 
 A call that is differentiated uses cuDNN only if the probe's backward passed too; its
 plain forward (decoding, evaluation) may use cuDNN when only the forward passed
@@ -31,9 +40,12 @@ errors surface: for checking it on a new machine).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -47,9 +59,18 @@ ENV = "SEQ2SEQ_ATTENTION"
 CHOICES = ("auto", "xla", "cudnn")
 TOLERANCE = 0.02           # relative L2 difference cuDNN vs XLA, bf16/fp16 inputs
 MAX_HEAD_DIM = 256
+# Part of every stored verdict's key: a changed probe (its inputs, tolerance or what it
+# runs) must raise it, so that verdicts of an older probe are probed again, not reused.
+PROBE_VERSION = 2
+ROLES = ("forward", "train")
+AGREE_TIMEOUT_MS = 600_000   # how long a host waits for the others' verdict on a form
 
-# signature -> {"forward": (ok, reason), "train": (ok, reason)}
+# signature -> {"forward": (ok, reason), "train": (ok, reason)}: the verdicts in use (agreed
+# by every host). "train" is there once a differentiated call of the form was traced.
 _VERDICTS: dict = {}
+_RECORDINGS: list = []     # the recordings open (`recording`), innermost last
+_PLAIN = [0]               # > 0: every call takes XLA's attention and chooses nothing
+_WARNED: set = set()
 # What `_call` runs for each implementation name: jax.nn.dot_product_attention's own.
 IMPLEMENTATIONS = {
     "xla": lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask,
@@ -67,12 +88,16 @@ def requested() -> str:
   return value
 
 
+def _form(key: tuple) -> dict:
+  return dict(zip(("dtype", "heads", "head_dim", "q_len", "k_len", "mask_batch"), key))
+
+
 def verdicts() -> list[dict]:
-  """What this process chose for each form of attention it traced, and why."""
-  return [dict(signature=dict(zip(("dtype", "heads", "head_dim", "q_len", "k_len",
-                                   "mask_batch"), key)),
-               forward=dict(ok=v["forward"][0], reason=v["forward"][1]),
-               train=dict(ok=v["train"][0], reason=v["train"][1]))
+  """What this process chose for each form of attention it traced, and why (a form's
+  "train" is not probed until a differentiated call of it is traced)."""
+  unprobed = (None, "not probed: no differentiated call of this form was traced")
+  return [dict(signature=_form(key),
+               **{role: dict(zip(("ok", "reason"), v.get(role, unprobed))) for role in ROLES})
           for key, v in _VERDICTS.items()]
 
 
@@ -119,6 +144,11 @@ def _signature(q, k, mask) -> tuple:
   return (jnp.dtype(q.dtype).name, h, d, q_len, k.shape[1], mask_batch)
 
 
+def lengths(forms) -> str:
+  """"QxK, ..." of forms (signatures), each once, in order."""
+  return ", ".join(dict.fromkeys(f"{key[3]}x{key[4]}" for key in forms))
+
+
 def _probe_mask(rows: int, q_len: int, k_len: int, rng) -> np.ndarray:
   """[rows, 1, Q, K] masks of the forms the model makes at these lengths, before
   `open_empty_rows`: each row's tokens packed as examples with padding after them (real
@@ -163,6 +193,10 @@ def _relative_difference(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def first_line(e: BaseException) -> str:
+  return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
 def _probe(q, k, mask, train: bool) -> tuple[bool, str]:
   """(cuDNN ran and matched XLA, what was seen) for inputs of this form."""
   try:
@@ -186,44 +220,170 @@ def _probe(q, k, mask, train: bool) -> tuple[bool, str]:
           return False, f"cuDNN differs from XLA: {name} {worst:.3g} relative"
       return True, f"matched XLA ({worst:.2g} relative)"
   except Exception as e:   # noqa: BLE001 - whatever cuDNN or its lowering raised
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return False, f"{type(e).__name__}: {first}"
+    return False, first_line(e)
+
+
+def _agreed(key: tuple, role: str, verdict: tuple[bool, str]) -> tuple[bool, str]:
+  """`verdict` if every host's passed too, else refused, saying where. Called while a
+  program is traced (no collective can run there): the hosts exchange their verdicts
+  through jax.distributed's key-value store, each under its own key, so a host that
+  reaches a form first waits for the others to reach it."""
+  if jax.process_count() == 1:
+    return verdict
+  from jax._src import distributed
+  client = distributed.global_state.client
+  name = f"seq2seq/attention/{PROBE_VERSION}/{role}/{_key_text(key)}/"
+  client.key_value_set(name + str(jax.process_index()), json.dumps(verdict[0]),
+                       allow_overwrite=True)
+  ok = [json.loads(client.blocking_key_value_get(name + str(i), AGREE_TIMEOUT_MS))
+        for i in range(jax.process_count())]
+  if all(ok) or not verdict[0]:
+    return verdict
+  others = ", ".join(str(i) for i, passed in enumerate(ok) if not passed)
+  return False, f"refused on process {others}"
+
+
+def _choose(key: tuple, role: str, q, k, mask) -> str:
+  """The implementation of `role` ("forward" or "train") for calls of form `key`: the
+  agreed verdict of the stored or probed one (a differentiated call's only once its forward
+  passed)."""
+  v = _VERDICTS.setdefault(key, {})
+  if role not in v:
+    local = _stored().get(_key_text(key), {}).get(role)
+    if local is None:
+      if role == "train" and not v["forward"][0]:
+        local = (False, "forward failed")
+      else:
+        local = _probe(q, k, mask, train=role == "train")
+      _store(key, {role: local})
+    v[role] = _agreed(key, role, tuple(local))
+  return "cudnn" if v[role][0] else "xla"
+
+
+def _choose_forward(q, k, mask) -> str:
+  want = requested()
+  if _PLAIN[0] or want == "xla" or (want == "auto" and unqualified(q, mask) is not None):
+    return "xla"
+  return "cudnn" if want == "cudnn" else _choose(_signature(q, k, mask), "forward", q, k, mask)
 
 
 def choose(q_BxQxHxD, k_BxKxHxD, mask=None) -> tuple[str, str]:
-  """(implementation of a plain forward call, implementation of a differentiated call)."""
-  want = requested()
-  if want != "auto":
-    return want, want
-  if unqualified(q_BxQxHxD, mask) is not None:
-    return "xla", "xla"
+  """(implementation of a plain forward call, implementation of a differentiated call)
+  for inputs of this form, probing what is not known yet."""
+  forward = _choose_forward(q_BxQxHxD, k_BxKxHxD, mask)
+  if forward == "xla" or requested() == "cudnn":
+    return forward, forward
   key = _signature(q_BxQxHxD, k_BxKxHxD, mask)
-  if key not in _VERDICTS:
-    _VERDICTS[key] = _stored().get(_key_text(key)) or {}
-  if not _VERDICTS[key]:
-    fwd = _probe(q_BxQxHxD, k_BxKxHxD, mask, train=False)
-    train = _probe(q_BxQxHxD, k_BxKxHxD, mask, train=True) if fwd[0] else \
-        (False, "forward failed")
-    _VERDICTS[key] = {"forward": fwd, "train": train}
-    _store(key)
-  v = _VERDICTS[key]
-  return ("cudnn" if v["forward"][0] else "xla"), ("cudnn" if v["train"][0] else "xla")
+  return forward, _choose(key, "train", q_BxQxHxD, k_BxKxHxD, mask)
 
 
-def training_on_cudnn() -> list[tuple]:
-  """The forms whose differentiated calls this process gave cuDNN (auto only)."""
-  return [key for key, v in _VERDICTS.items() if v["train"][0]] if requested() == "auto" \
-      else []
+@contextlib.contextmanager
+def plain():
+  """Inside: every call takes XLA's attention and chooses (probes) nothing: for programs
+  whose attention outputs nobody reads, such as a model's init."""
+  _PLAIN[0] += 1
+  try:
+    yield
+  finally:
+    _PLAIN[0] -= 1
 
 
-def move_training_to_xla(reason: str) -> list[tuple]:
-  """Every form whose differentiated calls took cuDNN takes XLA's attention from the next
-  trace on (its plain forward keeps its choice); returns those forms."""
-  moved = training_on_cudnn()
-  for key in moved:
-    _VERDICTS[key] = dict(_VERDICTS[key], train=(False, reason))
-    _store(key)
-  return moved
+# --- what a program gave cuDNN, and moving forms to XLA ----------------------------------
+
+@dataclasses.dataclass
+class Recording:
+  """What the programs traced inside `recording()` gave cuDNN (SEQ2SEQ_ATTENTION=auto):
+  `uses`, the (form, role) pairs in the order first traced (the same on every host), and
+  `failed`, those whose cuDNN call raised while traced (their call took XLA's): (form,
+  role) -> the error's first line."""
+  uses: list = dataclasses.field(default_factory=list)
+  failed: dict = dataclasses.field(default_factory=dict)
+
+  def use(self, key: tuple, role: str) -> None:
+    if (key, role) not in self.uses:
+      self.uses.append((key, role))
+
+  def training(self) -> list[tuple]:
+    """The forms whose differentiated calls took cuDNN."""
+    return [key for key, role in self.uses if role == "train"]
+
+  def in_programs(self) -> list[tuple]:
+    """The (form, role) pairs whose cuDNN calls the programs hold: differentiated calls,
+    and plain forward calls of forms never differentiated (a differentiated call's plain
+    forward, traced inside a loop's body before its derivative was taken, is not run)."""
+    training = set(self.training())
+    return [(key, role) for key, role in self.uses if role == "train" or key not in training]
+
+
+@contextlib.contextmanager
+def recording():
+  """Records what the programs traced inside give cuDNN (a `Recording`)."""
+  r = Recording()
+  _RECORDINGS.append(r)
+  try:
+    yield r
+  finally:
+    _RECORDINGS.remove(r)
+
+
+def _use(key: tuple, role: str) -> None:
+  for r in _RECORDINGS:
+    r.use(key, role)
+
+
+def _attempt(key: tuple, role: str, q, k, v, mask):
+  """cuDNN's attention; XLA's if cuDNN raises while traced (SEQ2SEQ_ATTENTION=auto), the
+  failure recorded (or, outside any recording, warned of once)."""
+  if requested() != "auto":   # cudnn: its errors surface
+    return _call("cudnn", q, k, v, mask)
+  _use(key, role)
+  try:
+    return _call("cudnn", q, k, v, mask)
+  except Exception as e:   # noqa: BLE001 - whatever cuDNN or its lowering raised
+    for r in _RECORDINGS:
+      r.failed.setdefault((key, role), first_line(e))
+    if not _RECORDINGS and (key, role) not in _WARNED:
+      _WARNED.add((key, role))
+      warnings.warn(f"cuDNN's attention raised {first_line(e)} (query x key lengths "
+                    f"{lengths([key])}, {role}): XLA's attention instead", stacklevel=2)
+    return _call("xla", q, k, v, mask)
+
+
+def move_to_xla(uses, reason: str) -> dict:
+  """Every (form, role) of `uses` takes XLA's attention from the next trace on, in this
+  process only (nothing is stored: `keep` stores, `undo` reverts). Returns what they were."""
+  before = {}
+  for key, role in uses:
+    if key in _VERDICTS and role not in before.get(key, {}):
+      before.setdefault(key, {})[role] = _VERDICTS[key].get(role)
+      _VERDICTS[key] = dict(_VERDICTS[key], **{role: (False, reason)})
+  return before
+
+
+def keep(moved: dict) -> None:
+  """Stores the moves `move_to_xla` returned (the redo showed cuDNN was the cause)."""
+  for key, roles in moved.items():
+    _store(key, {role: _VERDICTS[key][role] for role in roles})
+
+
+def undo(moved: dict) -> None:
+  """Reverts the moves `move_to_xla` returned (the redo showed cuDNN was not the cause)."""
+  for key, roles in moved.items():
+    for role, verdict in roles.items():
+      if verdict is None:
+        _VERDICTS[key].pop(role, None)
+      else:
+        _VERDICTS[key][role] = verdict
+
+
+def agree_any(flags) -> np.ndarray:
+  """`flags` (booleans, the same number on every host) OR-ed over the hosts."""
+  flags = np.asarray(flags, bool)
+  if jax.process_count() == 1:
+    return flags
+  from jax.experimental import multihost_utils
+  every = np.asarray(multihost_utils.process_allgather(flags.astype(np.int32)))
+  return every.reshape(-1, flags.size).any(0)
 
 
 # --- verdicts kept beside the compile cache: a later run on this machine probes nothing -----
@@ -235,15 +395,15 @@ def _verdicts_file() -> Path | None:
 
 
 def _machine() -> str:
-  """What a verdict holds for: the device, JAX's versions and cuDNN's."""
+  """What a verdict holds for: the probe's version, the device, JAX's and cuDNN's versions."""
   try:
     from jax._src.lib import cuda_versions
     cudnn = cuda_versions.cudnn_get_version() if cuda_versions else None
   except Exception:   # noqa: BLE001 - no CUDA build
     cudnn = None
   import jaxlib
-  return (f"{jax.devices()[0].device_kind}; jax {jax.__version__}, jaxlib {jaxlib.__version__},"
-          f" cuDNN {cudnn}")
+  return (f"probe {PROBE_VERSION}; {jax.devices()[0].device_kind}; jax {jax.__version__}, "
+          f"jaxlib {jaxlib.__version__}, cuDNN {cudnn}")
 
 
 def _key_text(key: tuple) -> str:
@@ -259,38 +419,43 @@ def _stored() -> dict:
     return {}
 
 
-def _store(key: tuple) -> None:
-  """Writes `key`'s verdict for this machine (atomically; a cache that cannot be written is
-  no error)."""
+def _store(key: tuple, roles: dict) -> None:
+  """Writes `roles`' verdicts ({role: (ok, reason)}) of form `key` for this machine
+  (atomically; a cache that cannot be written is no error)."""
   path = _verdicts_file()
   if path is None:
     return
   try:
     every = json.loads(path.read_text()) if path.exists() else {}
-    every.setdefault(_machine(), {})[_key_text(key)] = _VERDICTS[key]
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    every.setdefault(_machine(), {}).setdefault(_key_text(key), {}).update(roles)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{jax.process_index()}.tmp")
     tmp.write_text(json.dumps(every, indent=1))
     os.replace(tmp, path)
   except (OSError, ValueError, AttributeError):
     pass
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _split(forward: str, train: str, q, k, v, mask):
-  """`forward`'s attention; differentiated, `train`'s forward and backward."""
-  return _call(forward, q, k, v, mask)
+# --- the call ------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _on_cudnn(key: tuple, q, k, v, mask):
+  """cuDNN's forward; differentiated, the form's differentiated implementation, chosen (its
+  backward probed) only here, when a differentiated call of the form is traced."""
+  return _attempt(key, "forward", q, k, v, mask)
 
 
-def _split_fwd(forward, train, q, k, v, mask):
-  y, vjp = jax.vjp(lambda q, k, v: _call(train, q, k, v, mask), q, k, v)
-  return y, vjp
+def _on_cudnn_fwd(key, q, k, v, mask):
+  train = "cudnn" if requested() == "cudnn" else _choose(key, "train", q, k, mask)
+  if train == "cudnn":
+    return jax.vjp(lambda q, k, v: _attempt(key, "train", q, k, v, mask), q, k, v)
+  return jax.vjp(lambda q, k, v: _call("xla", q, k, v, mask), q, k, v)
 
 
-def _split_bwd(forward, train, vjp, g):
+def _on_cudnn_bwd(key, vjp, g):
   return (*vjp(g), None)
 
 
-_split.defvjp(_split_fwd, _split_bwd)
+_on_cudnn.defvjp(_on_cudnn_fwd, _on_cudnn_bwd)
 
 
 def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float = 0.0,
@@ -306,9 +471,8 @@ def attention(q_BxHxQxD, k_BxHxKxD, v_BxHxKxD, mask=None, *, dropout_rate: float
   q = to_BxLxHxD(q_BxHxQxD)
   k, v = (to_BxLxHxD(x).astype(q.dtype) for x in (k_BxHxKxD, v_BxHxKxD))
   mask = open_empty_rows(mask)
-  forward, train = choose(q, k, mask)
-  if forward == train:
-    y_BxQxHxD = _call(forward, q, k, v, mask)
+  if _choose_forward(q, k, mask) == "xla":
+    y_BxQxHxD = _call("xla", q, k, v, mask)
   else:
-    y_BxQxHxD = _split(forward, train, q, k, v, mask)
+    y_BxQxHxD = _on_cudnn(_signature(q, k, mask), q, k, v, mask)
   return y_BxQxHxD.swapaxes(1, 2)
