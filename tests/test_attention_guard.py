@@ -341,7 +341,7 @@ def _failing_at_the_run_s_batch(how: str):
 @pytest.mark.parametrize("how, why", [
     pytest.param("forward raises while traced",
                  r"ValueError: cuDNN: no engine for this graph, while traced",
-                 id="forward-raises"),
+                 marks=pytest.mark.slow, id="forward-raises"),
     pytest.param("backward raises while traced",
                  r"NotImplementedError: cuDNN's backward: unsupported strides",
                  marks=pytest.mark.slow, id="backward-raises"),
