@@ -62,6 +62,9 @@ class TfdsCorpus:
   def check(self, split: str) -> None:
     """(TFDS wrote the records: nothing to check.)"""
 
+  def release(self, split: str) -> None:
+    """(Nothing is held to forget.)"""
+
   def text_bytes(self, split: str) -> int:
     """The split's size as TFDS stored it (its records: a little more than their text); 0
     where TFDS does not say."""

@@ -119,6 +119,7 @@ class Dataset:
       self._streams.append(TrainStream(pairs, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
                                        process_index=shard))
+    self.corpus.release("train")   # its text is read no more
     self.source_pieces = pieces > 0
     over = totals["dropped_too_long"] + totals["truncated"]
     if over:
@@ -195,17 +196,12 @@ class Dataset:
 def _pieces_trained_on(ids: token_ids.TokenIds, pairs, vocab: int) -> np.ndarray:
   """Occurrences of each piece in the sources the pairs take: the stored counts less those
   of what the length policy leaves out (pairs dropped, tails cut), read from those alone."""
-  counts = ids.src_pieces.copy()
-  src = ids.src
-  left_out = np.ones(len(src), bool)
-  left_out[pairs.keep] = False
-  for i in np.flatnonzero(left_out):
-    counts -= np.bincount(src[i], minlength=vocab)[:vocab]
-  cut = np.flatnonzero(pairs.src_len - 1 < src.lengths[pairs.keep])
-  for i in cut:
-    counts -= np.bincount(src[int(pairs.keep[i])][pairs.src_len[i] - 1:],
-                          minlength=vocab)[:vocab]
-  return counts
+  lens = ids.src.lengths
+  taken = np.zeros(len(lens), lens.dtype)                # tokens of each stored source taken
+  taken[pairs.keep] = pairs.src_len - 1
+  out = np.flatnonzero(taken < lens)
+  left = ids.read("src", ids.src.offsets[out].astype(np.int64) + taken[out], lens[out] - taken[out])
+  return ids.src_pieces - np.bincount(left, minlength=vocab)[:vocab]
 
 
 def _process() -> tuple[int, int]:

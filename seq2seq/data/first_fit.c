@@ -13,9 +13,9 @@
 #include <string.h>
 
 int64_t seq2seq_first_fit(const int32_t *src_len, const int32_t *tgt_len, int64_t n,
-                          int32_t seq_len, int32_t window, int64_t max_rows, int64_t *row) {
+                          int32_t seq_len, int32_t window, int64_t max_rows, int32_t *row) {
   int32_t room_src[256], room_tgt[256];   /* open rows, oldest first */
-  int64_t id[256];
+  int32_t id[256];
   int32_t open = 0;
   int64_t started = 0, i = 0;
   if (window < 1 || window > 256) return -1;
@@ -38,8 +38,8 @@ int64_t seq2seq_first_fit(const int32_t *src_len, const int32_t *tgt_len, int64_
     }
     room_src[open] = seq_len - s;
     room_tgt[open] = seq_len - t;
-    id[open++] = started;
-    row[i] = started++;
+    id[open++] = (int32_t)started;
+    row[i] = (int32_t)started++;
   }
   for (; i < n; i++) row[i] = -1;
   return started;

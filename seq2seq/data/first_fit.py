@@ -57,8 +57,8 @@ def _library():
     f = ctypes.CDLL(str(lib)).seq2seq_first_fit
   except (OSError, AttributeError):
     return None
-  i32, i64 = np.ctypeslib.ndpointer(np.int32, flags="C"), np.ctypeslib.ndpointer(np.int64, flags="C")
-  f.argtypes = [i32, i32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, i64]
+  i32 = np.ctypeslib.ndpointer(np.int32, flags="C")
+  f.argtypes = [i32, i32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, i32]
   f.restype = ctypes.c_int64
   return f
 
@@ -75,6 +75,6 @@ def rows(src_len: np.ndarray, tgt_len: np.ndarray, seq_len: int, window: int,
     return None
   src_len = np.ascontiguousarray(src_len, np.int32)
   tgt_len = np.ascontiguousarray(tgt_len, np.int32)
-  row = np.empty(len(src_len), np.int64)
+  row = np.empty(len(src_len), np.int32)
   f(src_len, tgt_len, len(src_len), seq_len, window, max_rows, row)
   return row

@@ -84,37 +84,34 @@ _BOM = b"\xef\xbb\xbf"
 
 
 class TextFile:
-  """One UTF-8 text file, scanned: its SHA-256 and where each line's text starts and ends
-  (`starts`/`ends`, int64 byte offsets, the line end and a "\\r" before it excluded)."""
+  """One UTF-8 text file: its SHA-256 and line count (read once as it is opened), and, from
+  the first read on, where each line's text starts and ends (`starts`/`ends`, int64 byte
+  offsets, the line end and a "\\r" before it excluded; `tabs`, a TSV line's tab)."""
 
   def __init__(self, path: str, tsv: bool = False):
-    self.path, self._checked = path, False
+    self.path, self.tsv = path, tsv
     if not os.path.exists(path):
       raise UserError(f"parallel_text: no such file: {path}")
     if os.path.isdir(path):
       raise UserError(f"parallel_text: {path} is a directory, expected a text file")
-    self.sha256, self.starts, self.ends, tabs = _scan(path, tsv)
-    if not len(self.starts):
+    self.sha256, self._len = _digest(path)
+    if not self._len:
       raise UserError(f"parallel_text: {path} is empty")
-    self.tabs = None
-    if tsv:   # exactly one tab within each line: its offset
-      lo, hi = np.searchsorted(tabs, self.starts), np.searchsorted(tabs, self.ends)
-      bad = np.flatnonzero(hi - lo != 1)
-      if len(bad):
-        i = int(bad[0])
-        raise UserError(f"parallel_text: {path} line {i + 1}: expected 2 tab-separated "
-                        f"columns (source<TAB>target), found {int(hi[i] - lo[i]) + 1}")
-      self.tabs = tabs[lo]
+    self.starts = self.ends = self.tabs = None
 
   def __len__(self) -> int:
-    return len(self.starts)
+    return self._len
 
   def check(self) -> None:
-    """Its bytes are UTF-8 (UserError naming the first line that is not). Once, before the
-    first read: a run whose vocabulary and token ids are stored reads no text at all."""
-    if not self._checked:
-      _check_utf8(self.path)
-      self._checked = True
+    """Indexes the lines, checking that the bytes are UTF-8 and that a TSV line has two
+    columns (UserError naming the first line that is wrong). Once, before the first read: a
+    run whose vocabulary and token ids are stored reads no text at all."""
+    if self.starts is None:
+      self.starts, self.ends, self.tabs = _index(self.path, self.tsv)
+
+  def release(self) -> None:
+    """Forgets the index (16 bytes a line) until the next read."""
+    self.starts = self.ends = self.tabs = None
 
   def lines(self, indices=None) -> list[str]:
     """The lines `indices` (default: all), in that order."""
@@ -142,53 +139,71 @@ class TextFile:
               _read_lines(f, self.tabs + 1, self.ends, idx))
 
 
-def _scan(path: str, tsv: bool):
-  """(sha256, starts, ends, tab offsets) of a file, read once."""
+def _digest(path: str) -> tuple[str, int]:
+  """(SHA-256, lines) of a file; 0 lines if it holds nothing but white space."""
   digest = hashlib.sha256()
-  newlines, before_newline, tabs = [], [], []
-  size, last, text = 0, 10, False
+  size, count, last, text = 0, 0, b"\n", False
   with open(path, "rb") as f:
     while block := f.read(_BLOCK):
       digest.update(block)
+      count += block.count(b"\n")
+      text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
+      size, last = size + len(block), block[-1:]
+  return digest.hexdigest(), (count + (last != b"\n")) if text else 0
+
+
+def _index(path: str, tsv: bool):
+  """(starts, ends, tab offsets or None) of a file's lines; UserError if it is not UTF-8 or
+  (tsv) a line has not exactly one tab."""
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  newlines, before_newline, tabs = [], [], []
+  size, last = 0, 10
+  with open(path, "rb") as f:
+    while block := f.read(_BLOCK):
+      try:
+        if not (block.isascii() and decoder.getstate()[0] == b""):
+          decoder.decode(block)
+      except UnicodeDecodeError:
+        _raise_not_utf8(path)
       data = np.frombuffer(block, np.uint8)
       nl = np.flatnonzero(data == 10)
       prev = data[np.maximum(nl - 1, 0)]
       if len(nl) and nl[0] == 0:
         prev[0] = last
       newlines.append(nl + size)
-      before_newline.append(prev)
+      before_newline.append(prev == 13)
       if tsv:
         tabs.append(np.flatnonzero(data == 9) + size)
-      text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
       size, last = size + len(block), block[-1]
+  try:
+    decoder.decode(b"", final=True)
+  except UnicodeDecodeError:
+    _raise_not_utf8(path)
   nl = np.concatenate(newlines or [np.zeros(0, np.int64)])
   starts = np.concatenate([[0], nl + 1]).astype(np.int64)
   ends = np.concatenate([nl, [size]]).astype(np.int64)
-  cr = np.concatenate([*before_newline, [last]]) == 13
+  cr = np.concatenate([*before_newline, [last == 13]])
   if size == 0 or last == 10:          # nothing after the last "\\n": not a line
     starts, ends, cr = starts[:-1], ends[:-1], cr[:-1]
   ends -= cr
-  if not text:
-    starts = ends = np.zeros(0, np.int64)
-  elif size >= 3 and _starts_with_bom(path):
+  if size >= 3 and _starts_with_bom(path):
     starts[0] += 3
-  tab = np.concatenate(tabs).astype(np.int64) if tsv else None
-  return digest.hexdigest(), starts, ends, tab
+  if not tsv:
+    return starts, ends, None
+  tabs = np.concatenate(tabs).astype(np.int64)
+  lo, hi = np.searchsorted(tabs, starts), np.searchsorted(tabs, ends)
+  bad = np.flatnonzero(hi - lo != 1)
+  if len(bad):
+    i = int(bad[0])
+    raise UserError(f"parallel_text: {path} line {i + 1}: expected 2 tab-separated "
+                    f"columns (source<TAB>target), found {int(hi[i] - lo[i]) + 1}")
+  return starts, ends, tabs[lo]
 
 
-def _check_utf8(path: str) -> None:
-  """UserError naming the first line of `path` that is not UTF-8, if any."""
-  decoder = codecs.getincrementaldecoder("utf-8")()
-  with open(path, "rb") as f:
-    try:
-      while block := f.read(_BLOCK):
-        if not (block.isascii() and decoder.getstate()[0] == b""):
-          decoder.decode(block)
-      decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-      for _ in textio.iter_lines(path):   # raises the UserError naming the line
-        pass
-      raise UserError(f"parallel_text: {path}: invalid UTF-8") from None
+def _raise_not_utf8(path: str):
+  for _ in textio.iter_lines(path):   # raises the UserError naming the line
+    pass
+  raise UserError(f"parallel_text: {path}: invalid UTF-8")
 
 
 def _starts_with_bom(path: str) -> bool:
@@ -234,9 +249,14 @@ class TextCorpus:
     return len(self._text[split][0])
 
   def check(self, split: str) -> None:
-    """The split's files are UTF-8 (`TextFile.check`)."""
+    """The split's files are UTF-8 and well formed (`TextFile.check`)."""
     for f in self._text[split]:
       f.check()
+
+  def release(self, split: str) -> None:
+    """Forgets the split's line index until it is read again."""
+    for f in self._text[split]:
+      f.release()
 
   def identity(self, split: str) -> str:
     """What a split's pairs are: the languages, the direction and its files' SHA-256."""
@@ -251,7 +271,8 @@ class TextCorpus:
     return h.hexdigest()
 
   def text_bytes(self, split: str) -> int:
-    return int(sum((f.ends - f.starts).sum() for f in self._text[split]))
+    """The split's bytes (its files' sizes)."""
+    return sum(os.path.getsize(f.path) for f in self._text[split])
 
   def read(self, split: str, indices=None) -> tuple[list[str], list[str]]:
     """(sources, targets) of pairs `indices` (default: all) of `split`."""

@@ -75,6 +75,7 @@ class Ragged:
 
 def _gather_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
   """Concatenation of arange(s, s + l) for each (s, l): the flat positions of a selection."""
+  starts, lens = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
   total = int(lens.sum())
   if total == 0:
     return np.zeros(0, np.int64)
@@ -89,8 +90,8 @@ class Pairs:
   token ids (their `flat` may be memory-mapped): nothing here copies them whole."""
   src: Ragged
   tgt: Ragged
-  keep: np.ndarray      # int64 [n]: which stored pairs
-  src_len: np.ndarray   # int32 [n]: tokens in a row, EOS included
+  keep: np.ndarray      # [n] int32 (int64 past 2**31 pairs): which stored pairs
+  src_len: np.ndarray   # [n] uint16: tokens in a row, EOS included
   tgt_len: np.ndarray
 
   def __len__(self) -> int:
@@ -110,16 +111,20 @@ def apply_length_policy(src: Ragged, tgt: Ragged, max_src_len: int, max_tgt_len:
   leaves over-long pairs out, "truncate" cuts them (keeping the final EOS). Reads the
   lengths only. Returns (pairs, stats)."""
   n = len(src)
-  src_lens, tgt_lens = src.lengths + 1, tgt.lengths + 1
-  too_long = (src_lens > max_src_len) | (tgt_lens > max_tgt_len)
+  too_long = (src.lengths >= max_src_len) | (tgt.lengths >= max_tgt_len)   # EOS added
   keep = np.flatnonzero(~too_long) if policy == "drop" else np.arange(n)
-  pairs = Pairs(src, tgt, keep.astype(np.int64),
-                np.minimum(src_lens[keep], max_src_len).astype(np.int32),
-                np.minimum(tgt_lens[keep], max_tgt_len).astype(np.int32))
+  keep = keep.astype(_index_dtype(n))
+  lens = [np.minimum(x.lengths[keep], limit - 1).astype(np.uint16) + 1
+          for x, limit in ((src, max_src_len), (tgt, max_tgt_len))]
+  pairs = Pairs(src, tgt, keep, *lens)
   stats = {"examples": n, "kept": int(len(keep)),
            "dropped_too_long": int(too_long.sum()) if policy == "drop" else 0,
            "truncated": int(too_long.sum()) if policy == "truncate" else 0}
   return pairs, stats
+
+
+def _index_dtype(n: int):
+  return np.int32 if n < 1 << 31 else np.int64
 
 
 # --- training order ------------------------------------------------------------------------
@@ -157,12 +162,16 @@ def one_pass(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray, max_
   row = first_fit.rows(s, t, seq_len, OPEN_ROWS, max_rows)
   if row is None:   # no C compiler: the same rule in Python
     row = _first_fit_rows(s, t, seq_len, OPEN_ROWS, max_rows)
-  placed = np.flatnonzero((row >= 0) & (row < max_rows))   # arrival positions, in order
-  by_row = placed[np.argsort(row[placed], kind="stable")]  # a row's examples as they came
-  counts = np.bincount(row[placed], minlength=0)
-  bounds = np.zeros(len(counts) + 1, np.int64)
-  np.cumsum(counts, out=bounds[1:])
-  return np.asarray(order, np.int64)[by_row], bounds
+  del s, t
+  if row.min(initial=0) >= 0 and row.max(initial=0) < max_rows:   # all placed
+    by_row = np.argsort(row, kind="stable")                        # a row's pairs as they came
+  else:
+    placed = np.flatnonzero((row >= 0) & (row < max_rows))         # arrival positions
+    row = row[placed]
+    by_row = placed[np.argsort(row, kind="stable")]
+  bounds = np.zeros(int(row.max(initial=-1)) + 2, np.int64)
+  np.cumsum(np.bincount(row), out=bounds[1:])
+  return np.asarray(order)[by_row], bounds
 
 
 def extend_plan(plan, src_lens, tgt_lens, order, num_rows: int | None, seq_len: int):
@@ -186,7 +195,7 @@ def _first_fit_rows(src_len: np.ndarray, tgt_len: np.ndarray, seq_len: int, wind
   closes the oldest when `window` are open. The pass ends once `max_rows` rows are closed.
   (first_fit.c is this loop compiled: `first_fit.rows` runs it where a C compiler is.)
   """
-  row = np.full(len(src_len), -1, np.int64)
+  row = np.full(len(src_len), -1, np.int32)
   room_src, room_tgt, ids = [], [], []   # the open rows, oldest first
   started = 0
   for a in range(0, len(src_len), 1 << 16):   # Python ints a chunk at a time
@@ -274,7 +283,8 @@ class TrainStream:
                        plan_rows(None, None, order, num_rows, seq_len, False))}
 
   def _order(self, epoch: int) -> np.ndarray:
-    return epoch_permutation(len(self.pairs), self.seed, epoch, self.process_index)
+    n = len(self.pairs)
+    return epoch_permutation(n, self.seed, epoch, self.process_index).astype(_index_dtype(n))
 
   def _plan(self, epoch: int):
     if epoch not in self._plans:  # keeps one epoch's

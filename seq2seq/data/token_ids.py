@@ -4,7 +4,8 @@ mapped when read: a corpus of any size costs its offsets in memory, not its toke
 
     <workdir>/data_cache/<split>-<shard>-<key>/
         src.ids, tgt.ids                  the pairs' token ids end to end (no EOS), raw
-        src.offsets.npy, tgt.offsets.npy  int64 [n + 1]: pair i is ids[offsets[i]:offsets[i+1]]
+        src.offsets.npy, tgt.offsets.npy  [n + 1] (uint32 where they fit, else int64): pair i
+                                          is ids[offsets[i]:offsets[i+1]]
         src_pieces.npy                    int64 [vocab]: occurrences of each piece in sources
         meta.json                         the ids' dtype, the pairs, the format
 
@@ -34,6 +35,7 @@ from seq2seq.data.pipeline import Ragged
 from seq2seq.data.tokenizer import Tokenizer
 
 FORMAT = 1
+WINDOW = 1 << 22          # tokens read at a time by TokenIds.read
 _HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
 CHUNK = 20_000            # pairs a task
 PARALLEL_MIN = 100_000    # fewer pairs are tokenized in this process
@@ -46,6 +48,26 @@ class TokenIds:
   tgt: Ragged
   src_pieces: np.ndarray    # int64 [vocab]: occurrences of each piece in the sources
   path: Path
+
+  def read(self, side: str, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The tokens flat[starts[i]:starts[i] + lens[i]] of `side`, concatenated, for sorted
+    `starts`: read from the file a window at a time, not through the mapping (whose pages
+    would stay with this process)."""
+    flat = getattr(self, side).flat
+    out = np.empty(int(np.sum(lens)), flat.dtype)
+    starts, lens = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
+    at, a, size = 0, 0, flat.dtype.itemsize
+    with open(self.path / f"{side}.ids", "rb") as f:
+      while a < len(starts):
+        b = a + max(1, int(np.searchsorted(starts[a:], starts[a] + WINDOW, side="right")))
+        lo = int(starts[a])
+        f.seek(lo * size)
+        window = np.frombuffer(f.read((int((starts[a:b] + lens[a:b]).max()) - lo) * size),
+                               flat.dtype)
+        n = int(lens[a:b].sum())
+        out[at:at + n] = window[_spans(starts[a:b] - lo, lens[a:b])]
+        at, a = at + n, b
+    return out
 
 
 def path(cache_dir: Path, tokenizer: Tokenizer, identity: str, split: str, shard: str) -> Path:
@@ -138,12 +160,20 @@ def tokenize(corpus, split: str, indices, tokenizer: Tokenizer, into: Path, *,
       bar.update(len(src_lens))
   bar.close()
   for side, parts in lens.items():
-    np.save(into / f"{side}.offsets.npy", np.cumsum(np.concatenate(parts)))
+    offsets = np.cumsum(np.concatenate(parts))
+    np.save(into / f"{side}.offsets.npy",
+            offsets.astype(np.uint32) if offsets[-1] < 1 << 32 else offsets)
   np.save(into / "src_pieces.npy", pieces)
   (into / "meta.json").write_text(json.dumps(
       {"format": FORMAT, "dtype": np.dtype(dtype).name, "pairs": int(len(idx)), "split": split,
        "vocab_size": tokenizer.vocab_size}))
   return load(into)
+
+
+def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+  """Concatenation of arange(s, s + l) for each (s, l)."""
+  excl = np.cumsum(lens) - lens
+  return np.repeat(starts - excl, lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
 
 def _encoded(chunks, tokenizer: Tokenizer, dtype, workers: int):
