@@ -150,7 +150,8 @@ from seq2seq import train_lib
 from seq2seq.load import load_workdir
 from seq2seq.config import get_experiment, override
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer, unroll_layers
+from seq2seq.layout import unroll_layers
+from seq2seq.model import Transformer
 
 def recipe():
   """The run of `python train.py` (the "numbers" experiment), data under ROOT."""

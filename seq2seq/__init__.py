@@ -7,7 +7,7 @@ import importlib
 _WHERE = {
     "Config": "config", "ConfigError": "config", "DataConfig": "config", "TrainConfig": "config",
     "TransformerConfig": "config", "get_config": "config", "UserError": "errors",
-    "Transformer": "model", "init_cache": "model", "count_params": "model",
+    "Transformer": "model", "init_cache": "model", "count_params": "layout",
     "shift_right": "losses", "cross_entropy": "losses", "accuracy": "losses",
     "warmup_rsqrt_schedule": "optim", "make_optimizer": "optim",
     "Greedy": "search", "Sample": "search", "Beam": "search", "decode": "decoding",

@@ -48,7 +48,7 @@ class TransformerConfig:
   # The N identical layers of the encoder and of the decoder as one layer traced once and run
   # N times (flax nn.scan: parameters stacked on a leading axis `layers`): a train step
   # compiles in a fraction of the time. False: one module per layer (`layers_0`, ...), as
-  # runs written before the field existed and as decoding reads them (model.unroll_layers).
+  # runs written before the field existed and as decoding reads them (layout.unroll_layers).
   scan_layers: bool = True
 
   def __post_init__(self):

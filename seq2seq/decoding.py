@@ -23,7 +23,8 @@ from jax import lax
 
 from seq2seq import kernels
 from seq2seq.config import TransformerConfig
-from seq2seq.model import Transformer, head_weights, init_cache, unroll_layers
+from seq2seq.layout import head_weights, unroll_layers
+from seq2seq.model import Transformer, init_cache
 from seq2seq.search import (Beam, DecodeResult, Greedy, Sample, Strategy, _check, _is_int,
                             beam_search, sample_search)
 
@@ -98,14 +99,14 @@ def resize_cache(cache, length: int):
 
 def decode_params(cfg: TransformerConfig, params):
   """The parameters as this config's kernels decode from them: one module per layer
-  (model.unroll_layers), and on the cpu kernels weight matrices cast once to the compute
+  (layout.unroll_layers), and on the cpu kernels weight matrices cast once to the compute
   dtype. Callers that decode many batches make them once and pass them in; `decode` makes
   them otherwise."""
   return kernels.get(cfg.kernels).decode_params(cfg, _unrolled(params))
 
 
 def _unrolled(params):
-  """model.unroll_layers, as one program where it has anything to do."""
+  """layout.unroll_layers, as one program where it has anything to do."""
   p = params.get("params", params)
   stacked = any("layers" in p.get(side, {}) for side in ("encoder", "decoder"))
   return _unroll_jit(params) if stacked else params

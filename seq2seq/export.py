@@ -119,7 +119,7 @@ def ctranslate2_spec(cfg, params, tokenizer):
   _import_ctranslate2()
   from ctranslate2.specs import common_spec, transformer_spec
   from seq2seq.layers import sinusoidal_positions
-  from seq2seq.model import unroll_layers
+  from seq2seq.layout import unroll_layers
   params = unroll_layers(params)   # one spec per layer
 
   if tokenizer.vocab_size != cfg.vocab_size:

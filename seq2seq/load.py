@@ -17,7 +17,7 @@ from seq2seq.workdir import Workdir
 def load_workdir(workdir: Workdir | str | os.PathLike, step: int | None = None):
   """(config, params, tokenizer) from a workdir written by train.py, on the default device.
   The parameters are laid out as the config says: each stack's layers stacked on a leading
-  axis (model.scan_layers) or one module per layer (`model.unroll_layers` gives the
+  axis (model.scan_layers) or one module per layer (`layout.unroll_layers` gives the
   latter; decoding takes either). The tokenizer normalises sources as the run's data
   config says (data.lowercase_source)."""
   with _quiet_orbax():

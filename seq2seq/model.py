@@ -2,18 +2,18 @@
 
 Packed rows (several examples per row) pass `*_segments` (0 = padding, 1, 2, ... = example)
 and `*_positions` (restart at 0 for each example); unpacked rows may omit both.
+A stack's layers are one module per layer, or (scan_layers) traced once: layout.py.
 """
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from seq2seq import attention as attn
-from seq2seq import kernels
 from seq2seq.config import TransformerConfig
 from seq2seq.layers import (DecoderLayer, Dense, Dropout, Embed, EncoderLayer, add_positions,
                             dense_group, split_heads)
+from seq2seq.layout import EncoderLayerStep, layer_stack
 
 
 def _valid(tokens_BxL, segments_BxL):
@@ -40,23 +40,6 @@ def cross_mask(tgt_in_BxT, src_BxS, tgt_segments=None, src_segments=None):
   tv, sv = _valid(tgt_in_BxT, tgt_segments), _valid(src_BxS, src_segments)
   seg = None if tgt_segments is None else attn.segment_mask(tgt_segments, src_segments)
   return attn.combine_masks(attn.padding_mask(tv, sv), seg)
-
-
-class EncoderLayerStep(EncoderLayer):
-  """An encoder layer as a step of a scan over the layers: (output, nothing per layer)."""
-
-  def __call__(self, x_BxSxD, mask, train: bool = False):
-    return super().__call__(x_BxSxD, mask, train), None
-
-
-def layer_stack(layer: type[nn.Module], config: TransformerConfig, n: int, n_args: int):
-  """`n` layers of class `layer` applied in turn, traced once (flax nn.scan): the same
-  arguments (`n_args` after the first) for each, their parameters stacked on a leading
-  axis, their own random initialisation and dropout each. The kernels say how many layers
-  each iteration of the compiled loop runs (`scan_unroll`)."""
-  return nn.scan(layer, variable_axes={"params": 0},
-                 split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * n_args,
-                 length=n, unroll=kernels.get(config.kernels).scan_unroll(n))(config)
 
 
 class Encoder(nn.Module):
@@ -113,7 +96,7 @@ class Decoder(nn.Module):
     new_cache = None
     if self.config.scan_layers:
       if cache is not None:
-        raise ValueError("decode steps read one module per layer: model.unroll_layers")
+        raise ValueError("decode steps read one module per layer: layout.unroll_layers")
       y_BxTxD, _ = self.layers(y_BxTxD, memory, self_mask, cross_mask, train)
     else:
       new_cache = []
@@ -214,15 +197,6 @@ class Transformer(nn.Module):
     return (y_BxTxD if return_features else self.output_head(y_BxTxD)), cache
 
 
-def head_weights(config: TransformerConfig, params) -> tuple:
-  """(W, b, w_is_VxD) of the output head: the tied embedding [V, D] with no bias, or the
-  untied projection's kernel [D, V] and bias. logits = features·Wᵀ (+ b) / features·W + b."""
-  if config.tie_output:
-    emb = params["embed" if config.share_embeddings else "tgt_embed"]["embedding"]
-    return emb, None, True
-  return params["logits_dense"]["kernel"], params["logits_dense"]["bias"], False
-
-
 def init_cache(config: TransformerConfig, batch: int, max_len: int, dtype=None,
                rows: bool = False):
   """Empty self-attention KV cache: per decoder layer {"k", "v"} of [B, H, max_len, Dh], in
@@ -233,36 +207,3 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int, dtype=None,
   table = {"rows": jnp.zeros((batch, max_len), jnp.int32)} if rows else {}
   return tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), **table}
                for _ in range(config.num_decoder_layers))
-
-
-def unroll_layers(params):
-  """`params` as the model with one module per layer reads them (scan_layers=False, how
-  decoding runs): a stack's layer i as `layers_i`. Such params come back as they are."""
-  def unroll(tree):
-    if "layers" not in tree:
-      return tree
-    n = jax.tree_util.tree_leaves(tree["layers"])[0].shape[0]
-    layers = {f"layers_{i}": jax.tree_util.tree_map(lambda x: x[i], tree["layers"])
-              for i in range(n)}
-    return {**{k: v for k, v in tree.items() if k != "layers"}, **layers}
-  if "params" in params:
-    return {**params, "params": unroll_layers(params["params"])}
-  return {k: unroll(v) if k in ("encoder", "decoder") else v for k, v in params.items()}
-
-
-def stack_layers(params):
-  """The inverse of `unroll_layers`: `layers_0` ... `layers_{N-1}` stacked as `layers`."""
-  def stack(tree):
-    names = sorted((k for k in tree if k.startswith("layers_")), key=lambda k: int(k[7:]))
-    if not names:
-      return tree
-    rest = {k: v for k, v in tree.items() if not k.startswith("layers_")}
-    return {**rest, "layers": jax.tree_util.tree_map(lambda *x: jnp.stack(x),
-                                                     *[tree[k] for k in names])}
-  if "params" in params:
-    return {**params, "params": stack_layers(params["params"])}
-  return {k: stack(v) if k in ("encoder", "decoder") else v for k, v in params.items()}
-
-
-def count_params(params) -> int:
-  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))

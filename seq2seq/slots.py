@@ -45,7 +45,8 @@ from jax import lax
 from seq2seq import kernels
 from seq2seq.config import TransformerConfig
 from seq2seq.decoding import EXTRA_LEN, as_key, decode_params, decoding_model
-from seq2seq.model import Transformer, head_weights, init_cache
+from seq2seq.layout import head_weights
+from seq2seq.model import Transformer, init_cache
 from seq2seq.search import (Beam, Greedy, Sample, Strategy, _check, _is_int, beam_carry,
                             beam_results, beam_step, sample_carry, sample_results,
                             sample_step)

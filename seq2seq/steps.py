@@ -16,8 +16,9 @@ from seq2seq import sharding as shd
 from seq2seq.config import Config
 from seq2seq.errors import UserError
 from seq2seq.kernels import accelerator
+from seq2seq.layout import head_weights
 from seq2seq.losses import accuracy, cross_entropy, shift_right
-from seq2seq.model import Transformer, head_weights
+from seq2seq.model import Transformer
 from seq2seq.state import TrainState, as_float32, init_state, optimizer
 
 # `first_bad_step` and `first_bad_update` of a step with none.

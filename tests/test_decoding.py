@@ -15,7 +15,8 @@ from seq2seq import search
 from seq2seq.kernels import cpu
 from seq2seq.search import Beam, Greedy, Sample
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer, stack_layers, unroll_layers
+from seq2seq.layout import stack_layers, unroll_layers
+from seq2seq.model import Transformer
 
 PAD, BOS = 0, 1
 V = 40

@@ -20,7 +20,8 @@ from seq2seq import train_lib
 from seq2seq.config import Config, get_experiment
 from seq2seq.data import catalog, load_dataset, sources
 from seq2seq.errors import UserError
-from seq2seq.model import Transformer, count_params
+from seq2seq.layout import count_params
+from seq2seq.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

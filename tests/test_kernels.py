@@ -28,8 +28,9 @@ from seq2seq import attention as attn
 from seq2seq import decoding, kernels, search, train_lib
 from seq2seq.config import Config, TrainConfig
 from seq2seq.kernels import cpu, cpu_head, reference
+from seq2seq.layout import stack_layers
 from seq2seq.losses import accuracy, cross_entropy
-from seq2seq.model import Transformer, stack_layers
+from seq2seq.model import Transformer
 
 FAST = ("cpu", "accelerator")
 

@@ -9,7 +9,8 @@ import pytest
 import seq2seq
 from seq2seq import layers
 from seq2seq.config import ConfigError, TransformerConfig
-from seq2seq.model import Transformer, count_params, init_cache, stack_layers, unroll_layers
+from seq2seq.layout import count_params, stack_layers, unroll_layers
+from seq2seq.model import Transformer, init_cache
 
 # The reference path: the paper as written (tests/test_kernels.py: the others compute the same).
 CFG = seq2seq.get_config("tiny", vocab_size=37).replace(dropout_rate=0.0, kernels="reference")
@@ -402,7 +403,7 @@ def test_unknown_preset():
 @pytest.mark.parametrize("pre_ln", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_scanned_layers_compute_what_one_module_per_layer_computes(pre_ln):
   """scan_layers (each stack traced once, its parameters stacked) and one module per layer
-  (model.unroll_layers of the same parameters): the same logits and gradients; the two
+  (layout.unroll_layers of the same parameters): the same logits and gradients; the two
   layouts convert both ways, and each stacked layer was initialised on its own."""
   cfg = CFG.replace(pre_ln=pre_ln)
   src, tgt = _batch()
