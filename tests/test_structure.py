@@ -1,5 +1,6 @@
-"""The training path in modules a reader can hold: none longer than LIMIT lines, and no
-module of the package importing (anywhere, inside functions too) one that imports it back."""
+"""The training path in modules a reader can hold: none longer than LIMIT lines; the paper's
+model in PAPER_LIMIT lines; and no module of the package importing (anywhere, inside
+functions too) one that imports it back."""
 import ast
 from pathlib import Path
 
@@ -9,12 +10,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "seq2seq"
 LIMIT = 350
 TRAINING_PATH = ("train_lib", "steps", "evaluate", "workdir", "lock", "checkpoint",
                  "checksums", "load", "metrics", "state", "losses", "optim", "sharding")
+# The reference path, read as the paper: what exists for speed or for the parameters'
+# layout (layout.py, kernels/) lives elsewhere.
+PAPER = ("attention", "layers", "model", "losses")
+PAPER_LIMIT = 600
 
 
 @pytest.mark.parametrize("name", TRAINING_PATH)
 def test_the_training_paths_modules_are_short(name):
   lines = len((PACKAGE / f"{name}.py").read_text().splitlines())
   assert lines <= LIMIT, f"seq2seq/{name}.py has {lines} lines, more than {LIMIT}"
+
+
+def test_the_papers_model_reads_in_few_lines():
+  lines = {n: len((PACKAGE / f"{n}.py").read_text().splitlines()) for n in PAPER}
+  assert sum(lines.values()) <= PAPER_LIMIT, \
+      f"{', '.join(f'{n}.py {k}' for n, k in lines.items())}: {sum(lines.values())} lines " \
+      f"together, more than {PAPER_LIMIT}"
 
 
 def _modules() -> dict[str, Path]:
