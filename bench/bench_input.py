@@ -1,8 +1,20 @@
-"""Input pipeline speed against the train step it feeds.
+"""Input pipeline speed against the train step it feeds; and train.py at the paper's data size.
 
     python bench/bench_input.py                       # numbers task + the Bible corpus
     python bench/bench_input.py --bible DIR           # the Bible corpus elsewhere
     python bench/bench_input.py --datasets numbers --seconds 2
+    python bench/bench_input.py --pairs 1000000,4500000,9000000     # corpora of that size
+
+--pairs N,...: for each N, a corpus of N training pairs (the Bible's training verses drawn
+at random, a random number appended to both sides so that lines rarely repeat; the Bible's
+own validation and test splits; ~280 bytes a pair, written once under --root, never
+committed), then train.py as a user runs it, in a new process: the `small` model, a 32k
+vocabulary, 2 steps of batch 8 in a fresh workdir (the first run: building everything), then
+one more step (a resume: everything cached), and the same command on the Bible itself.
+For each run: seconds to the first step, the data's phases (train.py's "data ready" line),
+the peak resident memory of train.py and its children, before the first step (the data,
+the model's init) and over the whole run (the evaluation's decoding included). Writes
+bench/results/input_scale.json.
 
 For each dataset: the one-time costs ("tfds s": building the TFDS data, on the first run
 only, the data dir is reused; "vocab+tok s": SentencePiece training and tokenization of the
@@ -24,8 +36,12 @@ import json
 import os
 import platform
 import shutil
+import re
+import resource
 import statistics
+import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -109,6 +125,126 @@ def bench_train_step(batch: dict, repeats: int) -> dict:
               step_s=med, steps_per_s=1.0 / med, runs_s=times)
 
 
+# --- train.py at the paper's data size -----------------------------------------------------
+
+def make_corpus(bible: str, out: str, pairs: int, seed: int = 0) -> str:
+  """`pairs` training pairs drawn from the Bible's training verses, a random number
+  appended to both sides; the Bible's validation and test splits. Written once."""
+  done = os.path.join(out, ".complete")
+  if os.path.exists(done):
+    return out
+  os.makedirs(out, exist_ok=True)
+  verses = {lang: open(os.path.join(bible, f"train.{lang}"), encoding="utf-8").read()
+            .split("\n")[:-1] for lang in ("en", "fr")}
+  rng = np.random.default_rng(seed)
+  with open(os.path.join(out, "train.en"), "w", encoding="utf-8") as en, \
+       open(os.path.join(out, "train.fr"), "w", encoding="utf-8") as fr:
+    for a in range(0, pairs, 200_000):
+      m = min(200_000, pairs - a)
+      idx = rng.integers(0, len(verses["en"]), m).tolist()
+      num = rng.integers(0, 10 ** 6, m).tolist()
+      en.write("".join(f"{verses['en'][i]} {k}\n" for i, k in zip(idx, num)))
+      fr.write("".join(f"{verses['fr'][i]} {k}\n" for i, k in zip(idx, num)))
+  for split in ("validation", "test"):
+    for lang in ("en", "fr"):
+      shutil.copyfile(os.path.join(bible, f"{split}.{lang}"), os.path.join(out, f"{split}.{lang}"))
+  open(done, "w").close()
+  return out
+
+
+def _tree_rss(pid: int) -> int:
+  """Resident bytes of process `pid` and its descendants."""
+  parent = {}
+  for d in os.listdir("/proc"):
+    if d.isdigit():
+      try:
+        with open(f"/proc/{d}/stat") as f:
+          parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+      except (OSError, ValueError, IndexError):
+        pass
+  tree, grew = {pid}, True
+  while grew:
+    more = {p for p, pp in parent.items() if pp in tree} - tree
+    tree |= more
+    grew = bool(more)
+  total = 0
+  for p in tree:
+    try:
+      with open(f"/proc/{p}/statm") as f:
+        total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+      pass
+  return total
+
+
+def run_train(args: list[str], log: str) -> dict:
+  """train.py with `args` in a new process: seconds to its first step, its data phases, and
+  its peak resident memory (with its children's), before the first step and in all."""
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
+  start = time.perf_counter()
+  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       errors="replace", cwd=ROOT)
+  seen, peak = {}, {"all": 0, "data": 0}
+
+  def watch():
+    while p.poll() is None:
+      rss = _tree_rss(p.pid)
+      peak["all"] = max(peak["all"], rss)
+      if "training" not in seen:
+        peak["data"] = max(peak["data"], rss)
+      time.sleep(0.1)
+  threading.Thread(target=watch, daemon=True).start()
+  with open(log, "w") as out:
+    for line in p.stdout:
+      out.write(line)
+      now = time.perf_counter() - start
+      for key, pattern in (("training", r"^training \d+-d"), ("first_step", r"first step in"),
+                           ("data", r"^data ready in")):
+        if key not in seen and re.search(pattern, line):
+          seen[key] = (now, line.strip())
+  _, status, usage = os.wait4(p.pid, 0)
+  p.returncode = os.waitstatus_to_exitcode(status)
+  wall = time.perf_counter() - start
+  if p.returncode != 0 or "first_step" not in seen:
+    raise RuntimeError(f"{' '.join(cmd)} failed (exit {p.returncode}); see {log}")
+  phases = {}
+  if "data" in seen:
+    phases = {k: float(v) for k, v in re.findall(r"([a-z ]+?) ([\d.]+) s", seen["data"][1]
+                                                  .split(":", 1)[1])}
+  return dict(exit=p.returncode, wall_s=wall, to_training_s=seen["training"][0],
+              to_first_step_s=seen["first_step"][0], data_phases_s=phases,
+              peak_data_gb=peak["data"] / 1e9, peak_gb=peak["all"] / 1e9,
+              ru_maxrss_gb=usage.ru_maxrss * 1024 / 1e9, log=log)
+
+
+SCALE_ARGS = ["--config", "small", "--src_lang", "en", "--tgt_lang", "fr",
+              "--config.data.vocab_size=32000", "--config.train.steps=2",
+              "--config.train.batch_size=8"]
+
+
+def bench_scale(sizes: list[int], bible: str, root: str) -> list[dict]:
+  rows = []
+  for pairs in [0, *sizes]:   # 0: the Bible itself
+    corpus = bible if pairs == 0 else make_corpus(bible, os.path.join(root, f"corpus-{pairs}"),
+                                                  pairs)
+    work = os.path.join(root, f"work-{pairs}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    files = [f"--{s}_files={os.path.join(corpus, s)}" for s in ("train", "validation", "test")]
+    first = run_train(["--workdir", work, *SCALE_ARGS, *files], f"{work}.first.log")
+    again = run_train(["--workdir", work, "--config.train.steps=3"], f"{work}.resume.log")
+    text = sum(os.path.getsize(os.path.join(corpus, f"train.{l}")) for l in ("en", "fr"))
+    rows.append(dict(pairs=pairs or sum(1 for _ in open(os.path.join(bible, "train.en"))),
+                     corpus="bible" if pairs == 0 else f"generated {pairs}",
+                     text_mb=text / 1e6, first=first, resume=again))
+    r = rows[-1]
+    print(f"{r['corpus']:>18}: first run {first['to_first_step_s']:.0f} s to the first step, "
+          f"peak {first['peak_data_gb']:.2f} GB before it, {first['peak_gb']:.2f} GB in all; "
+          f"resume {again['to_first_step_s']:.1f} s, {again['peak_data_gb']:.2f} / "
+          f"{again['peak_gb']:.2f} GB", flush=True)
+  return rows
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--datasets", default="numbers,bible")
@@ -118,9 +254,27 @@ def main(argv=None):
                   help="TFDS data dir and workdirs go here")
   ap.add_argument("--seconds", type=float, default=3.0, help="per pipeline measurement")
   ap.add_argument("--repeats", type=int, default=10, help="timed train steps")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "input.json"))
+  ap.add_argument("--out", default=None, help="JSON written (default bench/results/"
+                  "input.json, input_scale.json with --pairs)")
+  ap.add_argument("--pairs", default="", help="train.py on generated corpora of these many "
+                  "pairs (comma-separated), beside the Bible")
   args = ap.parse_args(argv)
+  results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+  if args.pairs:
+    if not os.path.isdir(args.bible):
+      sys.exit(f"error: {args.bible} not found (python -m seq2seq.data.bible {args.bible})")
+    rows = bench_scale([int(n) for n in args.pairs.split(",") if n], args.bible, args.root)
+    out = args.out or os.path.join(results, "input_scale.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(dict(benchmark="input_scale",
+                     date=datetime.datetime.now().isoformat(timespec="seconds"),
+                     host=dict(platform=platform.platform(), cpu=cpu_name(),
+                               cpus=os.cpu_count(), jax=jax.__version__),
+                     command="train.py " + " ".join(SCALE_ARGS), runs=rows), f, indent=2)
+    print(f"wrote {out}")
+    return 0
+  args.out = args.out or os.path.join(results, "input.json")
   import absl.logging  # TFDS logs through absl, as in train.py
   absl.logging.set_verbosity(absl.logging.ERROR)
   names = [n for n in args.datasets.split(",") if n]

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -37,6 +38,7 @@ from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
 NUMBERS_MAX_VOCAB = vocabulary.NUMBERS_MAX_VOCAB
+LONG = 10.0   # seconds: data that took longer says what the time went on
 
 
 class Dataset:
@@ -49,6 +51,7 @@ class Dataset:
     self.process_index, self.process_count = process_index, process_count
     self.splits = corpus.splits
     self._made: list[tuple[Path, Path]] | None = []   # tokenized here, not yet published
+    self.tokenizing_s = 0.0
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
                       f"(available: {', '.join(self.splits)})")
@@ -69,9 +72,10 @@ class Dataset:
                            self.corpus.identity(split), split, shard)
     ids = token_ids.load(where)
     if ids is None:
-      made = token_ids.staging(where)
+      made, start = token_ids.staging(where), time.perf_counter()
       ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
                                progress=self.progress)
+      self.tokenizing_s += time.perf_counter() - start
       if self._made is None:
         token_ids.publish(made, where)
       else:
@@ -239,10 +243,13 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
     progress = sys.stderr.isatty()
   progress = progress and process_index == 0
   wd = Workdir.of(workdir)
+  clock = [time.perf_counter()]
   corpus = open_corpus(cfg, process_index)
   if "train" not in corpus.splits:
     raise UserError(f"dataset {corpus.name} has no 'train' split")
+  clock.append(time.perf_counter())
   tokenizer, new, record = vocabulary.vocabulary(cfg, wd, corpus, process_index, progress)
+  clock.append(time.perf_counter())
   tokenizer.lowercase_source = cfg.data.lowercase_source
   made = wd.create()
   had_cache = wd.data_cache.is_dir()
@@ -262,4 +269,13 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
   if process_index == 0:
     _tidy_cache(wd, resuming, cfg.data.dataset)
     sources.write(wd, ds.train_sources())
+  clock.append(time.perf_counter())
+  seconds = dict(zip(("corpus", "vocabulary", "rows"), np.diff(clock).tolist()))
+  seconds["token ids"] = ds.tokenizing_s
+  seconds["rows"] -= ds.tokenizing_s
+  ds.stats["seconds"] = seconds
+  if process_index == 0 and clock[-1] - clock[0] >= LONG:   # what the time went on
+    print(f"data ready in {clock[-1] - clock[0]:.0f} s: " + ", ".join(
+        f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "rows")),
+        file=sys.stderr, flush=True)
   return ds
