@@ -184,10 +184,10 @@ def run_train(args: list[str], log: str) -> dict:
   start = time.perf_counter()
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        errors="replace", cwd=ROOT)
-  seen, peak = {}, {"all": 0, "data": 0}
+  seen, peak, done = {}, {"all": 0, "data": 0}, threading.Event()
 
   def watch():
-    while p.poll() is None:
+    while not done.is_set():   # (not p.poll(): os.wait4 below reaps it, with its usage)
       rss = _tree_rss(p.pid)
       peak["all"] = max(peak["all"], rss)
       if "training" not in seen:
@@ -202,6 +202,7 @@ def run_train(args: list[str], log: str) -> dict:
                            ("data", r"^data ready in")):
         if key not in seen and re.search(pattern, line):
           seen[key] = (now, line.strip())
+  done.set()
   _, status, usage = os.wait4(p.pid, 0)
   p.returncode = os.waitstatus_to_exitcode(status)
   wall = time.perf_counter() - start

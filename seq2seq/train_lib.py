@@ -138,14 +138,15 @@ def _lock(wd: Workdir) -> WorkdirLock | None:
   return lock
 
 
-def _start(cfg: Config, wd: Workdir):
+def _start(cfg: Config, wd: Workdir, progress: bool):
   """Everything before the first step: the config checked against the workdir's, the data,
   the trainer, the state (restored or new). Returns (cfg, ds, trainer, ckpts, state, start,
   resuming)."""
   from seq2seq.data import load_dataset
   resuming = wd.config.exists()
   cfg = wd.prepare(cfg)
-  ds = load_dataset(cfg, wd)
+  ds = load_dataset(cfg, wd, progress=None if progress else False)   # (bars on a terminal)
+  malloc.release_freed_memory()   # what preparing the data held, before the model
   cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
   trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
   ckpts = ckpt_lib.Checkpoints(wd, keep=cfg.train.keep_checkpoints)
@@ -182,7 +183,7 @@ def train(cfg: Config, workdir: Workdir | str | os.PathLike, *, progress: bool =
     lock = _lock(wd)
     before = wd.run_files()
     try:
-      cfg, ds, trainer, ckpts, state, start, resuming = _start(cfg, wd)
+      cfg, ds, trainer, ckpts, state, start, resuming = _start(cfg, wd, progress)
     except BaseException:
       if _is_main():
         wd.remove_new_run_files(before)

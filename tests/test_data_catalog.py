@@ -79,3 +79,64 @@ def test_cannot_download_is_one_line_user_error(tmp_path, monkeypatch):
     load_dataset(_cfg(tmp_path, "wmt14_translate/de-en"), str(tmp_path / "w"),
                  process_index=0, process_count=1)
   assert "\n" not in str(e.value)
+
+
+class ScaleTestPairs(tfds.core.GeneratorBasedBuilder):
+  """A small translation dataset built from local data (as numbers.py's)."""
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, features=tfds.features.FeaturesDict({"en": tfds.features.Text(),
+                                                            "fr": tfds.features.Text()}),
+        supervised_keys=("en", "fr"))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples(400)}
+
+  def _generate_examples(self, n):
+    from seq2seq.data import testing as dtest
+    for i, (s, t) in enumerate(dtest.sentence_pairs(n, seed=7)):
+      yield i, {"en": s, "fr": t}
+
+
+def _records(builder):
+  src = builder.as_data_source(split="train")
+  return [(r["en"], r["fr"]) for r in src.__getitems__(list(range(len(src))))]
+
+
+def test_a_dataset_past_tfds_memory_limit_builds_without_tensorflow(tmp_path, monkeypatch):
+  """With TFDS's in-memory limit (1 GB) lowered to 1 kB, a small dataset takes the path of a
+  big one (examples spilled to bucket files): without TensorFlow it builds, through the file
+  system, into the very records an in-memory build writes; without that, it cannot."""
+  if catalog.tensorflow_installed():
+    pytest.skip("TensorFlow is installed here: TFDS uses it")
+  from tensorflow_datasets.core import shuffle
+  in_memory = ScaleTestPairs(data_dir=str(tmp_path / "a"), file_format="array_record")
+  catalog.prepare(in_memory, downloads=False)
+  monkeypatch.setattr(shuffle, "MAX_MEM_BUFFER_SIZE", 1000)
+  opened = []
+  real = catalog._FileApi.io.gfile.GFile
+  monkeypatch.setattr(catalog._FileApi.io.gfile, "GFile",
+                      staticmethod(lambda path, mode="r": opened.append(path) or real(path, mode)))
+  spilled = ScaleTestPairs(data_dir=str(tmp_path / "b"), file_format="array_record")
+  catalog.prepare(spilled, downloads=False)
+  assert len(opened) > 100                          # bucket files, written and read back
+  assert _records(spilled) == _records(in_memory) and len(_records(spilled)) == 400
+  import contextlib
+  monkeypatch.setattr(catalog, "files_without_tensorflow", contextlib.nullcontext)
+  with pytest.raises(UserError, match="tensorflow"):
+    catalog.prepare(ScaleTestPairs(data_dir=str(tmp_path / "c"), file_format="array_record"),
+                    downloads=False)
+
+
+def test_a_builder_that_needs_tensorflow_says_so_before_any_download(tmp_path, monkeypatch):
+  if catalog.tensorflow_installed():
+    pytest.skip("TensorFlow is installed here")
+  monkeypatch.setattr(catalog, "_offline_reason", lambda: pytest.fail("went for the network"))
+  with pytest.raises(UserError, match=r"'mnist.*uses TensorFlow, which is not installed: pip "
+                                      r"install tensorflow-cpu") as e:
+    catalog.prepare(catalog.get_builder("mnist", str(tmp_path)))
+  assert "\n" not in str(e.value)
+  for name in ("wmt14_translate/de-en", "ted_hrlr_translate/pt_to_en"):
+    assert not catalog.uses_tensorflow(catalog.get_builder(name, str(tmp_path)))

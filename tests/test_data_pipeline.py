@@ -289,6 +289,43 @@ def test_load_dataset_end_to_end_resume_and_cache(corpus):
   assert ds.tokenizer.decode(first[0]["src"][0][seg == 1]) in set(src_text)
 
 
+def test_batches_are_the_pipeline_written_plainly(corpus):
+  """load_dataset's batches are what the rule says, computed here pair by pair: every
+  training pair tokenized and EOS-terminated, those over the limits left out, epoch e's
+  permutation(seed, e, 0) packed first-fit, one pass setting the epoch's steps and more
+  passes filling its last rows, each row laid out with segments and positions."""
+  cfg = _cfg(corpus)
+  ds = load_dataset(cfg, str(corpus / "work"), process_index=0, process_count=1)
+  tok = ds.tokenizer
+  pairs = [(tok.encode(s) + [EOS_ID], tok.encode(t) + [EOS_ID])
+           for s, t in zip(*ds.corpus.read("train"))]
+  pairs = [p for p in pairs if len(p[0]) <= 16 and len(p[1]) <= 16]
+  src_lens, tgt_lens = [len(p[0]) for p in pairs], [len(p[1]) for p in pairs]
+  B, L = 8, 32
+
+  def rows_of(epoch, steps=None):
+    order = np.random.default_rng([1, epoch, 0]).permutation(len(pairs)).tolist()
+    rows = _first_fit_lists(order, src_lens, tgt_lens, L, len(order))
+    steps = steps or -(-len(rows) // B)
+    while len(rows) < steps * B:
+      rows += _first_fit_lists(order, src_lens, tgt_lens, L, steps * B - len(rows))
+    return rows[:steps * B], steps
+
+  _, steps = rows_of(0)
+  for k in (0, 1, steps - 1, steps, 2 * steps + 3):
+    rows, _ = rows_of(k // steps, steps)
+    got = next(ds.train_batches(k))
+    for r, row in enumerate(rows[(k % steps) * B:(k % steps + 1) * B]):
+      for side, name in ((0, "src"), (1, "tgt")):
+        tokens = sum((pairs[e][side] for e in row), [])
+        segments = sum(([j + 1] * len(pairs[e][side]) for j, e in enumerate(row)), [])
+        positions = sum((list(range(len(pairs[e][side]))) for e in row), [])
+        pad = [0] * (L - len(tokens))
+        assert got[name][r].tolist() == tokens + pad, (k, r)
+        assert got[f"{name}_segments"][r].tolist() == segments + pad
+        assert got[f"{name}_positions"][r].tolist() == positions + pad
+
+
 def test_host_shards_are_disjoint_and_cover(corpus):
   cfg = _cfg(corpus)
   shards = [load_dataset(cfg, str(corpus / "work"), process_index=p, process_count=2)

@@ -89,9 +89,10 @@ class TfdsCorpus:
     return src, tgt
 
 
-def _prepare(builder, make_builder, process_index: int, what: str, downloads: bool
-             ) -> tfds.core.DatasetBuilder:
-  """Process 0 builds the dataset; the others wait until it is there."""
+def _prepare(builder, make_builder, process_index: int, what: str, downloads: bool,
+             progress: bool = False) -> tfds.core.DatasetBuilder:
+  """Process 0 builds the dataset (with TFDS's progress bars if `progress`); the others
+  wait until it is there."""
   if builder.is_prepared():
     return builder
   if process_index != 0:
@@ -101,7 +102,7 @@ def _prepare(builder, make_builder, process_index: int, what: str, downloads: bo
   log.info("preparing TFDS dataset %s in %s", what, builder.data_dir)
   from tensorflow_datasets.core.utils import tqdm_utils
   was = getattr(tqdm_utils, "_active", True)
-  tfds.display_progress_bar(False)  # no per-example progress bars in training logs
+  tfds.display_progress_bar(progress)  # (none in training logs)
   try:
     catalog.prepare(builder, downloads)
   finally:
@@ -109,7 +110,7 @@ def _prepare(builder, make_builder, process_index: int, what: str, downloads: bo
   return builder
 
 
-def open_corpus(cfg: Config, process_index: int = 0):
+def open_corpus(cfg: Config, process_index: int = 0, progress: bool = False):
   """The corpus named by cfg.data: a `parallel_text.TextCorpus` or a `TfdsCorpus` (prepared
   in cfg.data.data_dir). UserError on bad input, before anything is built."""
   d = cfg.data
@@ -127,5 +128,5 @@ def open_corpus(cfg: Config, process_index: int = 0):
     make = lambda: catalog.get_builder(d.dataset, data_dir)  # noqa: E731
   builder = make()
   src_key, tgt_key = catalog.supervised_keys(builder, d.reverse)  # before any download
-  builder = _prepare(builder, make, process_index, d.dataset, d.dataset != "numbers")
+  builder = _prepare(builder, make, process_index, d.dataset, d.dataset != "numbers", progress)
   return TfdsCorpus(builder, src_key, tgt_key)

@@ -78,6 +78,7 @@ class Dataset:
       self.tokenizing_s += time.perf_counter() - start
       if self._made is None:
         token_ids.publish(made, where)
+        ids = token_ids.load(where)   # (the one in place, if another host's came first)
       else:
         self._made.append((made, where))
     return ids
@@ -244,7 +245,7 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
   progress = progress and process_index == 0
   wd = Workdir.of(workdir)
   clock = [time.perf_counter()]
-  corpus = open_corpus(cfg, process_index)
+  corpus = open_corpus(cfg, process_index, progress)
   if "train" not in corpus.splits:
     raise UserError(f"dataset {corpus.name} has no 'train' split")
   clock.append(time.perf_counter())

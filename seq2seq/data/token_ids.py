@@ -39,6 +39,7 @@ WINDOW = 1 << 22          # tokens read at a time by TokenIds.read
 _HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
 CHUNK = 20_000            # pairs a task
 PARALLEL_MIN = 100_000    # fewer pairs are tokenized in this process
+BAR_DELAY = 1.0           # seconds before the progress bar shows (none for short work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,7 @@ def tokenize(corpus, split: str, indices, tokenizer: Tokenizer, into: Path, *,
   lens = {"src": [np.zeros(1, np.int64)], "tgt": [np.zeros(1, np.int64)]}
   pieces = np.zeros(tokenizer.vocab_size, np.int64)
   bar = tqdm(total=len(idx), desc=f"tokenizing {split}", unit=" pairs", unit_scale=True,
-             disable=not progress, delay=1.0, file=sys.stderr)
+             disable=not progress, delay=BAR_DELAY, file=sys.stderr)
   chunks = (corpus.read(split, idx[a:a + CHUNK]) for a in range(0, len(idx), CHUNK))
   with open(into / "src.ids", "wb") as src_f, open(into / "tgt.ids", "wb") as tgt_f:
     for src, src_lens, tgt, tgt_lens in _encoded(chunks, tokenizer, dtype,

@@ -33,6 +33,7 @@ SPM_MAX_PAIRS = 500_000       # SentencePiece trains on at most this many traini
 SPM_MAX_BYTES = 80_000_000    # ...holding at most this much text (~2 GB of its memory)
 PREPARE_TIMEOUT = 3600.0      # seconds a non-zero process waits for process 0's vocabulary
 _CHUNK = 50_000               # pairs read at a time
+BAR_DELAY = 1.0               # seconds before the progress bar shows (none for short work)
 
 
 def vocab_size(cfg: Config) -> int:
@@ -185,7 +186,7 @@ def _train_in_child(sample: list[str], model: str, args: dict, progress: bool) -
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
        *filter(None, [os.environ.get("PYTHONPATH")])])}
-  bar = tqdm(total=100, desc="vocabulary", unit="%", disable=not progress, delay=1.0,
+  bar = tqdm(total=100, desc="vocabulary", unit="%", disable=not progress, delay=BAR_DELAY,
              bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]",
              file=sys.stderr)
   seeds, target, last = 0, args["vocab_size"], []
@@ -205,6 +206,8 @@ def _train_in_child(sample: list[str], model: str, args: dict, progress: bool) -
         done = 10 + 88 * int(m.group(1)) / target
       if done is not None and done > bar.n:
         bar.update(done - bar.n)
+  if p.returncode == 0:
+    bar.update(100 - bar.n)
   bar.close()
   if p.returncode != 0:
     why = next((l for l in reversed(last) if l.startswith("error: ")), f"exit {p.returncode}")
