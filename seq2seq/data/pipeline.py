@@ -58,22 +58,22 @@ class Ragged:
     lens = self.lengths[idx]
     offsets = np.zeros(len(idx) + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
-    return Ragged(self.flat[_gather_index(self.offsets[idx], lens)], offsets)
+    return Ragged(self.flat[gather_index(self.offsets[idx], lens)], offsets)
 
   def with_eos(self, max_len: int) -> tuple["Ragged", np.ndarray]:
     """Each sequence cut to max_len - 1 tokens and EOS appended; also the cut mask."""
     lens = self.lengths
     keep_lens = np.minimum(lens, max_len - 1)
-    src = _gather_index(self.offsets[:-1], keep_lens)
+    src = gather_index(self.offsets[:-1], keep_lens)
     new_lens = keep_lens + 1
     offsets = np.zeros(len(self) + 1, np.int64)
     np.cumsum(new_lens, out=offsets[1:])
     flat = np.full(int(offsets[-1]), EOS_ID, np.int32)
-    flat[_gather_index(offsets[:-1], keep_lens)] = self.flat[src]
+    flat[gather_index(offsets[:-1], keep_lens)] = self.flat[src]
     return Ragged(flat, offsets), lens > keep_lens
 
 
-def _gather_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+def gather_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
   """Concatenation of arange(s, s + l) for each (s, l): the flat positions of a selection."""
   starts, lens = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
   total = int(lens.sum())
@@ -237,16 +237,16 @@ def assemble(pairs: Pairs, stream: np.ndarray, bounds: np.ndarray, seq_len: int,
     csum = np.cumsum(lens) - lens
     row_start = np.repeat(csum[bounds[:-1] - bounds[0]], counts)
     start = row * seq_len + csum - row_start
-    dest = _gather_index(start, lens)
+    dest = gather_index(start, lens)
     tokens = np.zeros(num_rows * seq_len, np.int32)
-    tokens[_gather_index(start, lens - 1)] = ids.flat[_gather_index(ids.offsets[stored],
+    tokens[gather_index(start, lens - 1)] = ids.flat[gather_index(ids.offsets[stored],
                                                                     lens - 1)]
     tokens[start + lens - 1] = EOS_ID
     segments = np.zeros(num_rows * seq_len, np.int32)
     segments[dest] = np.repeat(seg, lens)
     if pack:
       positions = np.zeros(num_rows * seq_len, np.int32)
-      positions[dest] = _gather_index(np.zeros_like(lens), lens)
+      positions[dest] = gather_index(np.zeros_like(lens), lens)
     else:  # unpacked rows: positions are simply arange
       positions = np.tile(np.arange(seq_len, dtype=np.int32), num_rows)
     out[name] = tokens.reshape(num_rows, seq_len)
@@ -329,9 +329,9 @@ def pad_batch(src: Ragged, tgt: Ragged, idx: np.ndarray, batch_size: int,
   for name, data, length in (("src", src, src_len), ("tgt", tgt, tgt_len)):
     lens = data.lengths[idx]
     row = np.arange(len(idx))
-    dest = _gather_index(row * length, lens)
+    dest = gather_index(row * length, lens)
     tokens = np.full(batch_size * length, PAD_ID, np.int32)
-    tokens[dest] = data.flat[_gather_index(data.offsets[idx], lens)]
+    tokens[dest] = data.flat[gather_index(data.offsets[idx], lens)]
     out[name] = tokens.reshape(batch_size, length)
   valid = np.zeros(batch_size, bool)
   valid[:len(idx)] = True

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seq2seq.data.pipeline import Ragged
+from seq2seq.data.pipeline import Ragged, gather_index
 from seq2seq.data.tokenizer import Tokenizer
 
 FORMAT = 1
@@ -66,7 +66,7 @@ class TokenIds:
         window = np.frombuffer(f.read((int((starts[a:b] + lens[a:b]).max()) - lo) * size),
                                flat.dtype)
         n = int(lens[a:b].sum())
-        out[at:at + n] = window[_spans(starts[a:b] - lo, lens[a:b])]
+        out[at:at + n] = window[gather_index(starts[a:b] - lo, lens[a:b])]
         at, a = at + n, b
     return out
 
@@ -169,12 +169,6 @@ def tokenize(corpus, split: str, indices, tokenizer: Tokenizer, into: Path, *,
       {"format": FORMAT, "dtype": np.dtype(dtype).name, "pairs": int(len(idx)), "split": split,
        "vocab_size": tokenizer.vocab_size}))
   return load(into)
-
-
-def _spans(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-  """Concatenation of arange(s, s + l) for each (s, l)."""
-  excl = np.cumsum(lens) - lens
-  return np.repeat(starts - excl, lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
 
 def _encoded(chunks, tokenizer: Tokenizer, dtype, workers: int):
