@@ -37,7 +37,6 @@ import os
 import platform
 import shutil
 import re
-import resource
 import statistics
 import subprocess
 import sys

@@ -4,7 +4,6 @@ agree, run the same programs and end as a run on XLA's attention does, without h
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TEST_XLA_FLAGS
+from hosts import run_two_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "fake_cudnn_train.py"
@@ -44,12 +44,6 @@ def _args(corpus: Path, workdir: Path, data_dir: Path) -> list[str]:
           "--config.train.warmup_steps=10", "--config.train.log_every=2",
           "--config.train.checkpoint_every=4", "--config.train.eval_every=1000",
           "--config.train.num_eval_examples=4", "--config.train.eval_batch_size=4"]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _train_rows(workdir: Path) -> list[dict]:
@@ -89,23 +83,11 @@ def test_hosts_whose_cudnn_disagree_agree_and_do_not_hang(on_xla, tmp_path, fail
   step alone, or waited for process 1 in its step: hangs), train on XLA's attention as one
   process does, and process 0 says what moved to XLA in one line (`nan`: nothing did)."""
   corpus, data_dir, one = on_xla
-  two, port = tmp_path / "two", _free_port()
+  two = tmp_path / "two"
   env = _env(2, SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="20",
              FAKE_CUDNN_FAILURE=failure, FAKE_CUDNN_FAILS_ON="1",
              FAKE_CUDNN_VERDICTS=str(tmp_path / "verdicts"))
-  procs = [subprocess.Popen(
-      [sys.executable, str(DRIVER), *_args(corpus, two, data_dir), "--coordinator_address",
-       f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=240) for p in procs]   # a hang fails here
-  finally:
-    for p in procs:  # always reaped
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
+  outs = run_two_hosts([sys.executable, str(DRIVER), *_args(corpus, two, data_dir)], env)
   lines = [line for line in outs[0][1].splitlines() if "cuDNN" in line]
   assert (len(lines) == 1 and re.fullmatch(said, lines[0])) if said else not lines, outs[0][1]
   assert not any("cuDNN" in line for line in outs[1][1].splitlines())   # process 0 speaks

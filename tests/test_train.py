@@ -27,6 +27,7 @@ from seq2seq.config import ConfigError, get_experiment, override  # noqa: E402
 from seq2seq.load import load_workdir  # noqa: E402
 from seq2seq.state import abstract_state  # noqa: E402
 from conftest import TEST_XLA_FLAGS  # noqa: E402
+from hosts import free_port, run_two_hosts  # noqa: E402
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -903,12 +904,6 @@ def test_data_files_without_a_dataset_mean_parallel_text(tmp_path, capsys):
 
 # --- multi-host ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_agree_with_one(corpus, trained, tmp_path):
   """2 processes × 2 CPU devices over gloo on loopback == 1 process × 4 devices."""
   _, data_dir = trained
@@ -925,21 +920,8 @@ def test_two_processes_agree_with_one(corpus, trained, tmp_path):
   env2 = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}",
               SEQ2SEQ_DIST_TIMEOUT="60")
   two = tmp_path / "two"
-  port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, str(ROOT / "train.py"), *tiny_args(corpus, two, data_dir, steps, extra),
-       "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
-       "--process_id", str(i)], env=env2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True) for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=240) for p in procs]
-  finally:
-    for p in procs:  # always reaped
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
+  run_two_hosts([sys.executable, str(ROOT / "train.py"),
+                 *tiny_args(corpus, two, data_dir, steps, extra)], env2)
   rows = lambda w: [r for r in map(json.loads, (w / "metrics.jsonl").read_text().splitlines())
                     if r["split"] == "train"]
   for a, b in zip(rows(one), rows(two)):
@@ -959,7 +941,7 @@ def test_when_one_process_dies_the_other_stops_and_the_run_resumes(corpus, train
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}",
              JAX_PLATFORMS="cpu", SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="5")
   work = tmp_path / "w"
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen(
       [sys.executable, str(ROOT / "train.py"), *tiny_args(corpus, work, data_dir, 100_000, extra),
        "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
