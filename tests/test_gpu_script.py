@@ -213,6 +213,9 @@ def test_the_dry_run_trains_decodes_and_resumes_with_another_batch(dry_run):
   assert isinstance(b["summary"]["bleu"], float) and b["summary"]["meets_bleu_goal"] is False
   assert json.loads((work / "bible" / "config.json").read_text())["model"]["dtype"] == \
       "bfloat16"
+  cpu = json.loads((work / "bible_cpu_recipe" / "config.json").read_text())
+  assert cpu["model"]["dtype"] == "bfloat16" and cpu["model"]["ffn_dropout_rate"] == 0.1
+  assert set(b["summary"]["cpu_recipe"]) == {"validation_loss", "bleu_greedy", "on_a_cpu"}
   o = _stage(out, "oom")["summary"]
   assert (o["exit_code"], o["traceback"]) == (0, False)
   assert o["last_line"].startswith("translate with: python decode.py")
@@ -440,7 +443,8 @@ def test_every_device_command_parses_with_its_scripts_own_flags(monkeypatch, tmp
         a, overrides = train.parse_args(step.argv[2:])
         cfg = train_lib.resolve_config(tmp_path / "new", a.config,
                                        train.config_items(a, overrides) + overrides)
-        assert cfg.model.d_model == 512 and cfg.model.dtype == "bfloat16", step.name
+        assert cfg.model.dtype == "bfloat16", step.name
+        assert cfg.model.d_model == (256 if step.name == "cpu_recipe" else 512), step.name
         continue
       if script == "decode.py":
         import decode

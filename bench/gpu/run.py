@@ -44,7 +44,9 @@ Stages (see docs/performance.md, "GPU"):
   decode_speed  bench_decode.py --workload gpu (base, batch 128, greedy and beam 4, bf16)
                 and, where transformers is installed, MarianMT generate (bf16 and fp16)
   bible         train.py --config bible_gpu on --bible_dir (the corpus of
-                `python -m seq2seq.data.bible`), then decode.py beam 4 on its test split
+                `python -m seq2seq.data.bible`), then decode.py beam 4 on its test split,
+                a second run's first step (the compile cache), and the CPU's recipe
+                (small_cpu, bf16) whose validation loss on a CPU is known (CPU_RECIPE)
   oom           a resume of that run with a batch too large for the GPU: exit code, last
                 line of standard error (does it name the batch and the memory?), and
                 whether every checkpoint still loads
@@ -94,6 +96,9 @@ VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "
             "orbax-checkpoint", "numpy", "torch", "transformers", "tensorflow-datasets",
             "array-record", "protobuf", "sentencepiece", "sacrebleu")
 MIN_STEP_S = 20.0
+# `train.py --config small_cpu --config.model.dtype=bfloat16` on the Bible, on a CPU (AMD
+# EPYC, docs/performance.md, "The realistic run"): its validation split at step 2,300.
+CPU_RECIPE = dict(validation_loss=2.205, bleu_greedy=16.3)
 TAIL_LINES = 40
 
 # The goals of the first GPU run (docs/performance.md, "GPU").
@@ -689,11 +694,12 @@ def bible_data(args, work: Path) -> Path:
   return out
 
 
-def _bible_train_argv(args, work: Path, extra=(), workdir: str = "bible") -> list[str]:
+def _bible_train_argv(args, work: Path, extra=(), workdir: str = "bible",
+                      config: str = "bible_gpu", test: bool = True) -> list[str]:
   data = bible_data(args, work)
-  argv = [sys.executable, "train.py", "--workdir", str(work / workdir), "--config",
-          "bible_gpu", "--train_files", str(data / "train"), "--validation_files",
-          str(data / "validation"), "--test_files", str(data / "test"), "--data_dir",
+  argv = [sys.executable, "train.py", "--workdir", str(work / workdir), "--config", config,
+          "--train_files", str(data / "train"), "--validation_files", str(data / "validation"),
+          *(["--test_files", str(data / "test")] if test else []), "--data_dir",
           str(work / "tfds"), "--no_progress"]
   if args.dry_run:
     argv += DRY_MODEL
@@ -764,7 +770,13 @@ def bible(args, work: Path) -> tuple[list[Step], Callable]:
            150, skip=skip, stdout_to=hyp, parse=lambda t, rc: _bleu(t, hyp)),
       # The same shapes again in a new workdir: its first step from the compile cache.
       Step("train_again", _bible_train_argv(args, work, ["--steps", "2"], "bible_again"), 150,
-           skip=skip, parse=_train_summary)]
+           skip=skip, parse=_train_summary),
+      # The CPU's own recipe on the GPU, validation at its end only: its validation loss
+      # on a CPU is known (CPU_RECIPE), so a GPU that trains differently shows here.
+      Step("cpu_recipe", _bible_train_argv(
+          args, work, ["--config.model.dtype=bfloat16", "--config.train.eval_every=100000"],
+          "bible_cpu_recipe", config="small_cpu", test=False), 240, skip=skip,
+           parse=_train_summary)]
 
   def summarize(done):
     s = by_name(done)
@@ -778,6 +790,10 @@ def bible(args, work: Path) -> tuple[list[Step], Callable]:
       out["meets_bleu_goal"] = out["bleu"] >= GOALS["bible_bleu"]
     if "first_step_s" in out:
       out["meets_first_step_goal"] = out["first_step_s"] <= GOALS["bible_first_step_s"]
+    cpu = (s.get("cpu_recipe") or {}).get("validation")
+    if cpu:
+      out["cpu_recipe"] = dict(validation_loss=cpu["loss"], bleu_greedy=cpu["bleu_greedy"],
+                               on_a_cpu=CPU_RECIPE)
     if "first_step_s" in again:
       out["first_step_cached_s"] = again["first_step_s"]
       out["meets_first_step_cached_goal"] = (again["first_step_s"]
