@@ -761,7 +761,14 @@ def bible(args, work: Path) -> tuple[list[Step], Callable]:
   if not skip:   # a new run each time (an earlier call's would only be evaluated again)
     shutil.rmtree(work / "bible", ignore_errors=True)
     shutil.rmtree(work / "bible_again", ignore_errors=True)
+    shutil.rmtree(work / "bible_cpu_recipe", ignore_errors=True)
   steps = [
+      # The CPU's own recipe first (~2 min): its validation loss on a CPU is known
+      # (CPU_RECIPE), so a GPU that trains differently shows here.
+      Step("cpu_recipe", _bible_train_argv(
+          args, work, ["--config.model.dtype=bfloat16", "--config.train.eval_every=100000"],
+          "bible_cpu_recipe", config="small_cpu", test=False), 240, skip=skip,
+          parse=_train_summary),
       Step("train", _bible_train_argv(args, work), 420, skip=skip,   # 5 min + a cold compile
            parse=lambda t, rc: dict(_train_summary(t, rc), metrics=_metrics(work / "bible"))),
       Step("decode_test_beam4", [sys.executable, "decode.py", "--workdir", str(work / "bible"),
@@ -770,13 +777,7 @@ def bible(args, work: Path) -> tuple[list[Step], Callable]:
            150, skip=skip, stdout_to=hyp, parse=lambda t, rc: _bleu(t, hyp)),
       # The same shapes again in a new workdir: its first step from the compile cache.
       Step("train_again", _bible_train_argv(args, work, ["--steps", "2"], "bible_again"), 150,
-           skip=skip, parse=_train_summary),
-      # The CPU's own recipe on the GPU, validation at its end only: its validation loss
-      # on a CPU is known (CPU_RECIPE), so a GPU that trains differently shows here.
-      Step("cpu_recipe", _bible_train_argv(
-          args, work, ["--config.model.dtype=bfloat16", "--config.train.eval_every=100000"],
-          "bible_cpu_recipe", config="small_cpu", test=False), 240, skip=skip,
-           parse=_train_summary)]
+           skip=skip, parse=_train_summary)]
 
   def summarize(done):
     s = by_name(done)
