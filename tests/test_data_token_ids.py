@@ -54,7 +54,7 @@ def test_each_pairs_ids_here_or_over_worker_processes(corpus, monkeypatch):
   assert isinstance(here.src.flat, np.memmap) and here.src.flat.dtype == np.uint16
   assert here.src.offsets.dtype == np.uint32
   np.testing.assert_array_equal(here.src_pieces, np.bincount(here.src.flat, minlength=300))
-  again = token_ids.load(root / "here")
+  again = token_ids.load(root / "here", 300)
   for side in ("src", "tgt"):
     np.testing.assert_array_equal(getattr(again, side).flat, getattr(here, side).flat)
     np.testing.assert_array_equal(getattr(again, side).offsets, getattr(here, side).offsets)
@@ -63,7 +63,9 @@ def test_each_pairs_ids_here_or_over_worker_processes(corpus, monkeypatch):
       (here.src[i].tolist() for i in (3, 10, 11)), [])
   # a directory that is not whole is not read
   (root / "here" / "tgt.ids").write_bytes((root / "here" / "tgt.ids").read_bytes()[:-2])
-  assert token_ids.load(root / "here") is None
+  with pytest.raises(token_ids.Broken, match="tgt.ids is not the file that was written"):
+    token_ids.load(root / "here", 300)
+  assert token_ids.load(root / "nothing", 300) is None
 
 
 def test_a_run_stopped_while_tokenizing_leaves_nothing(tmp_path, monkeypatch):
@@ -144,7 +146,7 @@ def test_sentencepiece_failing_is_one_line(corpus, tmp_path):
   args = {**Tokenizer.trainer_args(300), "model_type": "bpe", "vocab_size": 300,
           "character_coverage": 2.0}
   with pytest.raises(UserError) as e:
-    vocabulary._train_in_child([str(sample)], str(tmp_path / "model"), args, False)
+    vocabulary._train_in_child([str(sample)], args, False)
   assert str(e.value).startswith("SentencePiece training failed: ") and "\n" not in str(e.value)
 
 

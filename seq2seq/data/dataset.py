@@ -32,6 +32,7 @@ import numpy as np
 from seq2seq.config import Config
 from seq2seq.data import sources, token_ids, vocabulary
 from seq2seq.data.corpus import open_corpus
+from seq2seq.data.files import cannot_write
 from seq2seq.data.pipeline import TrainStream, apply_length_policy, pad_batch
 from seq2seq.data.tokenizer import EOS_ID, Tokenizer
 from seq2seq.errors import UserError
@@ -50,7 +51,8 @@ class Dataset:
     self.workdir, self.progress = wd, progress
     self.process_index, self.process_count = process_index, process_count
     self.splits = corpus.splits
-    self._made: list[tuple[Path, Path]] | None = []   # tokenized here, not yet published
+    self._made: list[tuple[Path, Path]] = []   # tokenized here, not yet published
+    self._published = False
     self.tokenizing_s = 0.0
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
@@ -64,30 +66,43 @@ class Dataset:
       corpus.check(split)
     self._eval = {}
     self._build_train()
+    # and their token ids, made (or checked) now: a fault shows before training, not after
+    self._eval_ids = {split: self._token_ids(split, None, "all") for split in self.splits[1:]}
 
   # --- token ids, on disk -------------------------------------------------------------------
 
   def _token_ids(self, split: str, indices, shard: str) -> token_ids.TokenIds:
+    """The split's (shard's) stored token ids, checked; tokenized if there are none or they
+    are broken (set aside, said in one line)."""
     where = token_ids.path(self.workdir.data_cache, self.tokenizer,
                            self.corpus.identity(split), split, shard)
-    ids = token_ids.load(where)
+    try:
+      ids = token_ids.load(where, self.tokenizer.vocab_size)
+    except token_ids.Broken as why:
+      warnings.warn(f"{where}: {why}; set aside, tokenizing it again")
+      token_ids.set_aside(where)
+      ids = None
     if ids is None:
       made, start = token_ids.staging(where), time.perf_counter()
       ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
-                               progress=self.progress)
+                               progress=self.progress, published_as=where)
       self.tokenizing_s += time.perf_counter() - start
-      if self._made is None:
-        token_ids.publish(made, where)
-        ids = token_ids.load(where)   # (the one in place, if another host's came first)
-      else:
-        self._made.append((made, where))
+      self._made.append((made, where))
+      if self._published:
+        self.publish()
     return ids
 
   def publish(self) -> None:
     """Moves the token ids made so far into place; from now on they are published as made."""
-    for made, where in self._made or ():
-      token_ids.publish(made, where)
-    self._made = None
+    for made, where in self._made:
+      try:
+        token_ids.publish(made, where, self.tokenizer.vocab_size)
+      except OSError as e:
+        raise cannot_write(where, e) from None
+    moved = dict(self._made)
+    self._eval_ids = {split: dataclasses.replace(ids, path=moved.get(ids.path, ids.path))
+                      for split, ids in self._eval_ids.items()}
+    self._made, self._published = [], True
 
   # --- training -----------------------------------------------------------------------
 
@@ -173,7 +188,7 @@ class Dataset:
   def _eval_split(self, split: str):
     if split not in self._eval:
       src_text, tgt_text = self.corpus.read(split)
-      ids = self._token_ids(split, None, "all")
+      ids = self._eval_ids.get(split) or self._token_ids(split, None, "all")
       src, _ = ids.src.with_eos(self.cfg.data.max_src_len)
       tgt, _ = ids.tgt.with_eos(self.cfg.data.max_tgt_len)
       self._eval[split] = (src, tgt, src_text, tgt_text)
@@ -253,22 +268,31 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
   clock.append(time.perf_counter())
   tokenizer.lowercase_source = cfg.data.lowercase_source
   made = wd.create()
-  had_cache = wd.data_cache.is_dir()
+  had = {path: path.exists() for path in (wd.data_cache, wd.vocab, wd.vocab_record)}
   resuming = wd.checkpoints.is_dir() and any(wd.checkpoints.iterdir())
   try:
-    wd.data_cache.mkdir(exist_ok=True)
+    try:
+      wd.data_cache.mkdir(exist_ok=True)
+    except OSError as e:
+      raise cannot_write(wd.data_cache, e) from None
     ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
+    if new:   # every check has passed: now the files
+      vocabulary.write(wd, tokenizer, record)
+    ds.publish()
   except BaseException:   # refused (or interrupted): what it made goes
     token_ids.remove_staging(wd.data_cache, os.getpid())
-    if not had_cache:
+    if not had[wd.data_cache]:
       shutil.rmtree(wd.data_cache, ignore_errors=True)
+    for path in (wd.vocab, wd.vocab_record):
+      if new and not had[path]:
+        path.unlink(missing_ok=True)
     wd.remove_made(made)
     raise
-  if new:   # every check has passed: now the files
-    vocabulary.write(wd, tokenizer, record)
-  ds.publish()
   if process_index == 0:
     _tidy_cache(wd, resuming, cfg.data.dataset)
+    # token ids no run of this workdir can use (another vocabulary, text that changed)
+    token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
+                              {split: corpus.identity(split) for split in corpus.splits})
     sources.write(wd, ds.train_sources())
   clock.append(time.perf_counter())
   seconds = dict(zip(("corpus", "vocabulary", "rows"), np.diff(clock).tolist()))
