@@ -103,14 +103,14 @@ def cached(workdir, split: str) -> Path:
   return where
 
 
-def run_train(args, *, file_size: int | None = None, timeout: float = 180):
+def run_train(args, *, file_size: int | None = None, env=None, timeout: float = 180):
   """train.py in a process of its own (with RLIMIT_FSIZE of `file_size` bytes if given)."""
   limit = [] if file_size is None else [
       sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
       f"({file_size}, {file_size})); os.execv(sys.argv[1], sys.argv[1:])"]
   return subprocess.run([*limit, sys.executable, str(ROOT / "train.py"), *args],
-                        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}, cwd=str(ROOT),
-                        capture_output=True, text=True, timeout=timeout)
+                        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, **(env or {})},
+                        cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
 
 
 def one_error_line(p) -> str:
@@ -307,36 +307,43 @@ def test_a_run_on_a_changed_cache_trains_as_a_clean_one(corpus, tmp_path):
 
 # --- the disk -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("what", ["token ids", "vocabulary"])
+@pytest.mark.parametrize("what", ["token ids", "vocabulary", "vocabulary's sample"])
 @pytest.mark.parametrize("fault", ["file size limit", "full disk"])
 def test_a_write_that_fails_is_one_line_and_leaves_the_workdir_as_it_was(
     corpus, clean, tmp_path, what, fault):
-  """The token ids (the workdir has its vocabulary) or vocab.model (the workdir has the
-  token ids of that vocabulary) cannot be written: RLIMIT_FSIZE ("File too large"), or a
-  file system that is really full ("No space left on device"). One line naming the file,
-  exit 2; no temporary file left, nothing of the workdir changed."""
+  """The token ids (the workdir has its vocabulary), vocab.model (the workdir has the token
+  ids of that vocabulary) or the vocabulary's sample (a new workdir; in TMPDIR) cannot be
+  written: RLIMIT_FSIZE ("File too large"), or a file system that is really full ("No
+  space left on device"). One line naming the file, exit 2; no temporary file left, the
+  workdir as it was (a new one: none)."""
   if what == "token ids":
     workdir = copy_of(clean, tmp_path, without=["data_cache"])
-    names = [str(workdir / "data_cache")]
     size, free = 16 << 10, 16            # < the training ids (~40 KB); > the rest
-  else:
+  elif what == "vocabulary":
     workdir = copy_of(clean, tmp_path, without=["vocab.model", "vocab.json"])
-    names = [str(workdir / "vocab.model")]
     size, free = 128 << 10, 64           # < vocab.model (~245 KB); > the rest
-  before = files(workdir)
+  else:
+    workdir = tmp_path / "w"
+    size, free = 16 << 10, 16            # < the sample (~27 KB a side)
+  before = files(workdir) if workdir.exists() else None
   if fault == "file size limit":
-    p = run_train(train_args(corpus, workdir), file_size=size)
-    why = "File too large"
+    at, tmp, why = workdir, tmp_path / "tmp", "File too large"
+    tmp.mkdir()
+    p = run_train(train_args(corpus, workdir), file_size=size, env={"TMPDIR": str(tmp)})
+    assert not list(tmp.iterdir())
   else:
     disk = tmp_path / "disk"
     disk.mkdir()
+    at, why = disk / "w", "No space left on device"
+    tmp = disk / "tmp" if what == "vocabulary's sample" else tmp_path / "tmp"   # (full, or not)
     p = in_namespace(TMPFS, disk, workdir, free,
-                     [sys.executable, str(ROOT / "train.py"), *train_args(corpus, disk / "w")])
-    names = [n.replace(str(workdir), str(disk / "w")) for n in names]
-    why = "No space left on device"
+                     ["bash", "-c", 'mkdir "$0" && TMPDIR="$0" exec "$@"', str(tmp),
+                      sys.executable, str(ROOT / "train.py"), *train_args(corpus, at)])
+  file = {"token ids": at / "data_cache", "vocabulary": at / "vocab.model",
+          "vocabulary's sample": tmp / "seq2seq-vocabulary-"}[what]
   last = one_error_line(p)
-  assert last.startswith(f"error: cannot write {names[0]}") and why in last, last
-  assert files(workdir) == before
+  assert last.startswith(f"error: cannot write {file}") and why in last, last
+  assert (files(workdir) if workdir.exists() else None) == before
 
 
 def test_a_read_only_data_cache_is_refused_before_training(corpus, clean, tmp_path):

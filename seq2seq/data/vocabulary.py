@@ -88,7 +88,10 @@ def _stored(wd: Workdir, record_now: dict) -> tuple[bytes | None, str]:
   path = wd.vocab
   if not path.exists():
     return None, ""
-  proto = path.read_bytes()
+  try:
+    proto = path.read_bytes()
+  except OSError as e:
+    raise UserError(f"cannot read {path}: {e.strerror or e}") from None
   record = _read_record(wd)
   of_a_run = wd.config.exists()   # its checkpoints depend on it
   if record is not None and record.get("sha256") != hashlib.sha256(proto).hexdigest():
@@ -164,7 +167,12 @@ def train(corpus, record: dict, progress: bool = False) -> Tokenizer:
   k, _ = sample_size(corpus)
   idx = np.arange(n) if k >= n else np.sort(
       np.random.default_rng(0).choice(n, k, replace=False))
-  with tempfile.TemporaryDirectory(prefix="seq2seq-vocabulary-") as tmp:
+  try:
+    sample_dir = tempfile.TemporaryDirectory(prefix="seq2seq-vocabulary-")
+  except OSError as e:
+    raise cannot_write(tempfile.gettempdir(), e, "for the vocabulary's sample: set TMPDIR to "
+                       "a writable directory with room") from None
+  with sample_dir as tmp:
     sample = os.path.join(tmp, "sample")
     try:
       with open(f"{sample}.src", "wb") as s, open(f"{sample}.tgt", "wb") as t:
