@@ -138,7 +138,7 @@ class Dataset:
       host_examples += len(idx)
       self._streams.append(TrainStream(pairs, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
-                                       process_index=shard))
+                                       shard=shard))
     self.corpus.release("train")   # its text is read no more
     self.source_pieces = pieces > 0
     over = totals["dropped_too_long"] + totals["truncated"]

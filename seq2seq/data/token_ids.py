@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from seq2seq.data.files import cannot_write, end_with_parent
-from seq2seq.data.pipeline import Ragged, gather_index
+from seq2seq.data.ragged import Ragged, gather_index
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserError
 
