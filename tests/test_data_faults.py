@@ -27,7 +27,7 @@ import train as train_script  # noqa: E402
 
 from conftest import TEST_XLA_FLAGS  # noqa: E402
 from seq2seq import UserError, train_lib  # noqa: E402
-from seq2seq.data import load_dataset, token_ids, vocabulary  # noqa: E402
+from seq2seq.data import load_dataset, token_ids  # noqa: E402
 from seq2seq.data import testing as dtest  # noqa: E402
 from seq2seq.workdir import Workdir  # noqa: E402
 
@@ -458,9 +458,9 @@ def test_text_changed_between_runs_is_said_and_old_caches_go(corpus, tmp_path):
   vocab = (workdir / "vocab.model").read_bytes()
   dtest.write_moses(str(c / "train"), dtest.sentence_pairs(950, seed=0))   # 50 more pairs
   ds, said = loaded_saying(cfg, workdir)
-  assert (f"the training text changed since this run's vocabulary was made (900 -> 950 "
-          f"pairs): from the step it resumes at, the run trains on the new text's pairs, "
-          f"with the vocabulary it has") in said, said
+  assert ("the training text changed since this run's vocabulary was made (900 -> 950 "
+          "pairs): from the step it resumes at, the run trains on the new text's pairs, "
+          "with the vocabulary it has") in said, said
   assert not [line for line in said if "vocab.model" in line], said
   assert ds.num_examples("train") == 950
   assert (workdir / "vocab.model").read_bytes() == vocab

@@ -11,7 +11,7 @@ import pytest
 
 import seq2seq
 from seq2seq import UserError
-from seq2seq.data import dataset, load_dataset, parallel_text, token_ids, vocabulary
+from seq2seq.data import load_dataset, parallel_text, token_ids, vocabulary
 from seq2seq.data import testing as dtest
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.workdir import Workdir
@@ -122,7 +122,7 @@ def test_a_workdir_of_an_earlier_version(tmp_path):
     load_dataset(_cfg(prefix), str(work), process_index=0, process_count=1)   # said once
     # the other corpora kept their order: replaced without a word
     (work / "data_cache" / "train-0of1-0123456789abcdef.npz").write_bytes(b"earlier")
-    dataset._tidy_cache(Workdir(work), True, "numbers")
+    token_ids.replace_earlier_versions(work / "data_cache", Workdir(work), False)
   assert not [w for w in said if "earlier version" in str(w.message)]
   assert not list((work / "data_cache").glob("*.npz"))
 

@@ -33,8 +33,8 @@ from seq2seq.config import Config
 from seq2seq.data import sources, token_ids, vocabulary
 from seq2seq.data.corpus import open_corpus
 from seq2seq.data.files import cannot_write
-from seq2seq.data.pipeline import TrainStream, apply_length_policy, pad_batch
-from seq2seq.data.tokenizer import EOS_ID, Tokenizer
+from seq2seq.data.pipeline import TrainStream, apply_length_policy, host_shards, pad_batch
+from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
@@ -57,11 +57,7 @@ class Dataset:
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
                       f"(available: {', '.join(self.splits)})")
-    t = cfg.train
-    if t.batch_size % process_count:
-      raise UserError(f"batch_size {t.batch_size} is not divisible by the number of hosts "
-                      f"({process_count})")
-    self.host_batch_size = t.batch_size // process_count
+    self.host_batch_size = cfg.train.batch_size // process_count
     for split in self.splits[1:]:   # read at every evaluation: checked before the first
       corpus.check(split)
     self._eval = {}
@@ -109,21 +105,12 @@ class Dataset:
   def _build_train(self):
     d, t = self.cfg.data, self.cfg.train
     n = self.corpus.num_examples("train")
+    mine = host_shards(n, d.num_shards, t.batch_size, self.process_index, self.process_count)
     shards = d.num_shards or self.process_count
-    if shards % self.process_count or t.batch_size % shards:
-      raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
-                      f"({self.process_count}) and divide batch_size ({t.batch_size})")
-    per_host = shards // self.process_count
-    mine = range(self.process_index * per_host, (self.process_index + 1) * per_host)
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
     self._streams, totals, host_examples = [], {}, 0
-    pieces = np.zeros(self.tokenizer.vocab_size, np.int64)
-    self.longest_source = 0   # (EOS included)
-    for shard in mine:
-      # Shard `shard`: every `shards`-th pair, starting at `shard`.
-      idx = np.arange(shard, n, shards)
-      if len(idx) == 0:
-        raise UserError(f"the training split has {n} examples, fewer than the {shards} shards")
+    self._sources = sources.Tally(self.tokenizer.vocab_size)
+    for shard, idx in mine.items():
       ids = self._token_ids("train", idx, f"{shard}of{shards}")
       pairs, stats = apply_length_policy(ids.src, ids.tgt, src_limit, tgt_limit,
                                          d.length_policy)
@@ -133,14 +120,12 @@ class Dataset:
                         f"raise max_src_len/max_tgt_len/seq_len or use length_policy=truncate")
       for k in ("kept", "dropped_too_long", "truncated"):
         totals[k] = totals.get(k, 0) + stats[k]
-      pieces += _pieces_trained_on(ids, pairs, len(pieces))
-      self.longest_source = max(self.longest_source, int(pairs.src_len.max()))
+      self._sources.add(ids, pairs)
       host_examples += len(idx)
       self._streams.append(TrainStream(pairs, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
                                        shard=shard))
     self.corpus.release("train")   # its text is read no more
-    self.source_pieces = pieces > 0
     over = totals["dropped_too_long"] + totals["truncated"]
     if over:
       warnings.warn(f"{over} of {host_examples} training pairs are longer than {src_limit} "
@@ -168,17 +153,8 @@ class Dataset:
       step += 1
 
   def train_sources(self, candidates: int = 100) -> sources.TrainSources:
-    """The record of what the training sources were, with an example: the first of the
-    first `candidates` sources of the first held-out split (else train) that is like them."""
-    seen = frozenset(np.flatnonzero(self.source_pieces).tolist()) - {EOS_ID}
-    record = sources.TrainSources(self.longest_source, seen)
-    split = next(s for s in ("test", "validation", "train") if s in self.splits)
-    texts, _ = self.corpus.read(split, range(min(candidates, self.num_examples(split))))
-    for text in texts:
-      ids = self.tokenizer.encode(self.tokenizer.normalize_source(text)) + [EOS_ID]
-      if text.strip() and not any(sources.unfamiliar(ids, self.tokenizer, record)):
-        return dataclasses.replace(record, example=text)
-    return record
+    """The record of what the training sources were (`sources.Tally.record`)."""
+    return self._sources.record(self.corpus, self.tokenizer, candidates)
 
   # --- evaluation ---------------------------------------------------------------------
 
@@ -213,34 +189,9 @@ class Dataset:
       yield batch
 
 
-def _pieces_trained_on(ids: token_ids.TokenIds, pairs, vocab: int) -> np.ndarray:
-  """Occurrences of each piece in the sources the pairs take: the stored counts less those
-  of what the length policy leaves out (pairs dropped, tails cut), read from those alone."""
-  lens = ids.src.lengths
-  taken = np.zeros(len(lens), lens.dtype)                # tokens of each stored source taken
-  taken[pairs.keep] = pairs.src_len - 1
-  out = np.flatnonzero(taken < lens)
-  left = ids.read("src", ids.src.offsets[out].astype(np.int64) + taken[out], lens[out] - taken[out])
-  return ids.src_pieces - np.bincount(left, minlength=vocab)[:vocab]
-
-
 def _process() -> tuple[int, int]:
   import jax
   return jax.process_index(), jax.process_count()
-
-
-def _tidy_cache(wd: Workdir, resuming: bool, dataset: str) -> None:
-  """Token ids of this format replace the data_cache/*.npz files earlier versions wrote:
-  removed once the new ones are in place. Pairs of your own text came, in those versions,
-  in TFDS's order: a run resumed from then takes them in the files' order, and says so."""
-  old = sorted(wd.data_cache.glob("*.npz"))
-  if old and resuming and dataset == "parallel_text":
-    warnings.warn(f"{wd}: its training pairs were tokenized by an earlier version, in the "
-                  f"order TFDS had stored them: from the step it resumes at, this run takes "
-                  f"the same pairs in another order (the files')")
-  for path in old:
-    path.unlink(missing_ok=True)
-  token_ids.remove_staging(wd.data_cache)   # what killed runs left
 
 
 def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
@@ -289,7 +240,9 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
     wd.remove_made(made)
     raise
   if process_index == 0:
-    _tidy_cache(wd, resuming, cfg.data.dataset)
+    token_ids.replace_earlier_versions(wd.data_cache, wd,
+                                       resuming and cfg.data.dataset == "parallel_text")
+    token_ids.remove_staging(wd.data_cache)   # what killed runs left
     # token ids no run of this workdir can use (another vocabulary, text that changed)
     token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
                               {split: corpus.identity(split) for split in corpus.splits})

@@ -26,6 +26,7 @@ from seq2seq.data import first_fit
 from seq2seq.data.prefetch import Prefetch  # noqa: F401 (train_lib's, from here)
 from seq2seq.data.ragged import Ragged, gather_index
 from seq2seq.data.tokenizer import EOS_ID, PAD_ID
+from seq2seq.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,27 @@ def apply_length_policy(src: Ragged, tgt: Ragged, max_src_len: int, max_tgt_len:
 
 def _index_dtype(n: int):
   return np.int32 if n < 1 << 31 else np.int64
+
+
+def host_shards(examples: int, num_shards: int, batch_size: int, process_index: int,
+                process_count: int) -> dict[int, np.ndarray]:
+  """This host's shards of the training pairs: shard -> its pairs (shard s holds every
+  `shards`-th pair from s; `shards` is num_shards, or one a host). A host takes
+  shards // process_count of them in a row, each its batch_size // shards rows of a batch.
+  UserError where the numbers do not divide."""
+  if batch_size % process_count:
+    raise UserError(f"batch_size {batch_size} is not divisible by the number of hosts "
+                    f"({process_count})")
+  shards = num_shards or process_count
+  if shards % process_count or batch_size % shards:
+    raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
+                    f"({process_count}) and divide batch_size ({batch_size})")
+  if examples < shards:
+    raise UserError(f"the training split has {examples} examples, fewer than the {shards} "
+                    f"shards")
+  per_host = shards // process_count
+  return {s: np.arange(s, examples, shards)
+          for s in range(process_index * per_host, (process_index + 1) * per_host)}
 
 
 # --- training order ------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import uuid
+import warnings
 from concurrent import futures
 from pathlib import Path
 
@@ -255,6 +256,20 @@ def remove_unusable(cache_dir: Path, vocabulary: str, identities: dict[str, str]
       shutil.rmtree(p, ignore_errors=True)
       gone.append(p.name)
   return gone
+
+
+def replace_earlier_versions(cache_dir: Path, workdir, order_changes: bool) -> None:
+  """Token ids of this format replace the data_cache/*.npz files earlier versions wrote:
+  removed once the new ones are in place. Pairs of your own text came, in those versions,
+  in TFDS's order: a run resumed from then (`order_changes`) takes them in the files'
+  order, and says so."""
+  old = sorted(Path(cache_dir).glob("*.npz"))
+  if old and order_changes:
+    warnings.warn(f"{workdir}: its training pairs were tokenized by an earlier version, in "
+                  f"the order TFDS had stored them: from the step it resumes at, this run "
+                  f"takes the same pairs in another order (the files')")
+  for path in old:
+    path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
