@@ -53,7 +53,7 @@ class Dataset:
     self.splits = corpus.splits
     self._made: list[tuple[Path, Path]] = []   # tokenized here, not yet published
     self._published = False
-    self.tokenizing_s = 0.0
+    self.tokenizing_s = self.checking_s = 0.0   # seconds tokenizing; checking stored ids
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
                       f"(available: {', '.join(self.splits)})")
@@ -72,12 +72,14 @@ class Dataset:
     are broken (set aside, said in one line)."""
     where = token_ids.path(self.workdir.data_cache, self.tokenizer,
                            self.corpus.identity(split), split, shard)
+    start = time.perf_counter()
     try:
       ids = token_ids.load(where, self.tokenizer.vocab_size)
     except token_ids.Broken as why:
       warnings.warn(f"{where}: {why}; set aside, tokenizing it again")
       token_ids.set_aside(where)
       ids = None
+    self.checking_s += time.perf_counter() - start
     if ids is None:
       made, start = token_ids.staging(where), time.perf_counter()
       ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
@@ -249,11 +251,12 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
     sources.write(wd, ds.train_sources())
   clock.append(time.perf_counter())
   seconds = dict(zip(("corpus", "vocabulary", "rows"), np.diff(clock).tolist()))
-  seconds["token ids"] = ds.tokenizing_s
-  seconds["rows"] -= ds.tokenizing_s
+  seconds["token ids"], seconds["checks"] = ds.tokenizing_s, ds.checking_s
+  seconds["rows"] -= ds.tokenizing_s + ds.checking_s
   ds.stats["seconds"] = seconds
   if process_index == 0 and clock[-1] - clock[0] >= LONG:   # what the time went on
     print(f"data ready in {clock[-1] - clock[0]:.0f} s: " + ", ".join(
-        f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "rows")),
+        f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "checks",
+                                            "rows")),
         file=sys.stderr, flush=True)
   return ds
