@@ -90,6 +90,32 @@ def test_a_run_stopped_while_tokenizing_leaves_nothing(tmp_path, monkeypatch):
   assert os.listdir(tmp_path / "w2") == ["checkpoints"]
 
 
+def test_the_vocabulary_is_published_before_tokenizing_and_a_refused_run_puts_back_what_it_replaced(
+    tmp_path, monkeypatch):
+  """A new vocabulary is in the workdir before the token ids are made (another host of the
+  run tokenizes its shards meanwhile); a run refused after it (every pair too long) leaves
+  the workdir as it was: a vocabulary it replaced (built with other settings, of no run) is
+  back, byte for byte."""
+  pairs = [(f"{s} big red", f"{t} gibo dero") for s, t in dtest.sentence_pairs(300, 1)]
+  prefix = dtest.write_moses(str(tmp_path / "c" / "train"), pairs)
+  work = tmp_path / "w"
+  load_dataset(_cfg(prefix, vocab_size=290), str(work), process_index=0, process_count=1)
+  before = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
+  seen = []
+  real = token_ids.tokenize
+
+  def tokenize(*a, **k):
+    seen.append(Tokenizer.load(str(work / "vocab.model")).vocab_size)
+    return real(*a, **k)
+  monkeypatch.setattr(token_ids, "tokenize", tokenize)
+  with pytest.warns(UserWarning, match="built from other data or settings"):
+    with pytest.raises(UserError, match="are longer than the limits"):
+      load_dataset(_cfg(prefix, max_src_len=2, max_tgt_len=2), str(work), process_index=0,
+                   process_count=1)
+  assert seen and seen[0] == 300
+  assert {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()} == before
+
+
 def test_what_a_killed_run_left_is_removed(tmp_path):
   cache = tmp_path / "data_cache"
   dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -13,8 +13,10 @@
 Also <workdir>/train_sources.json: what the training sources were (sources.py).
 
 Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
-Nothing is published into the workdir until every check on the data has passed (the files,
-the shards, the lengths): a refused run leaves no vocabulary or cache behind.
+A new vocabulary is published as soon as it is trained (the other hosts of a run tokenize
+their shards meanwhile), token ids once every check on the data has passed (the files, the
+shards, the lengths): a refused run leaves no vocabulary or cache of its own behind, and a
+vocabulary it replaced is back.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import numpy as np
 from seq2seq.config import Config
 from seq2seq.data import sources, token_ids, vocabulary
 from seq2seq.data.corpus import open_corpus
-from seq2seq.data.files import cannot_write
+from seq2seq.data.files import atomic_write, cannot_write
 from seq2seq.data.pipeline import TrainStream, apply_length_policy, host_shards, pad_batch
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserError
@@ -221,24 +223,28 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
   clock.append(time.perf_counter())
   tokenizer.lowercase_source = cfg.data.lowercase_source
   made = wd.create()
-  had = {path: path.exists() for path in (wd.data_cache, wd.vocab, wd.vocab_record)}
+  had_cache = wd.data_cache.is_dir()
+  replaced = {path: path.read_bytes() if path.is_file() else None   # (a vocabulary no run
+              for path in (wd.vocab, wd.vocab_record)} if new else {}   # uses: kilobytes)
   resuming = wd.checkpoints.is_dir() and any(wd.checkpoints.iterdir())
   try:
+    if new:   # published first: the other hosts tokenize their shards meanwhile
+      vocabulary.write(wd, tokenizer, record)
     try:
       wd.data_cache.mkdir(exist_ok=True)
     except OSError as e:
       raise cannot_write(wd.data_cache, e) from None
     ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
-    if new:   # every check has passed: now the files
-      vocabulary.write(wd, tokenizer, record)
     ds.publish()
-  except BaseException:   # refused (or interrupted): what it made goes
-    token_ids.remove_staging(wd.data_cache, os.getpid())
-    if not had[wd.data_cache]:
+  except BaseException:   # refused (or interrupted): what it made goes, what it replaced
+    token_ids.remove_staging(wd.data_cache, os.getpid())   # is back
+    if not had_cache:
       shutil.rmtree(wd.data_cache, ignore_errors=True)
-    for path in (wd.vocab, wd.vocab_record):
-      if new and not had[path]:
+    for path, data in replaced.items():
+      if data is None:
         path.unlink(missing_ok=True)
+      else:
+        atomic_write(path, data)
     wd.remove_made(made)
     raise
   if process_index == 0:
