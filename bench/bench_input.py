@@ -13,8 +13,9 @@ vocabulary, 2 steps of batch 8 in a fresh workdir (the first run: building every
 one more step (a resume: everything cached), and the same command on the Bible itself.
 For each run: seconds to the first step, the data's phases (train.py's "data ready" line),
 the peak resident memory of train.py and its children, before the first step (the data,
-the model's init) and over the whole run (the evaluation's decoding included). Writes
-bench/results/input_scale.json.
+the model's init) and over the whole run (the evaluation's decoding included); after the
+resume, the seconds that checking the cached token ids takes (every split's SHA-256 and
+arrays, as a resume checks them). Writes bench/results/input_scale.json.
 
 For each dataset: the one-time costs ("tfds s": building the TFDS data, on the first run
 only, the data dir is reused; "vocab+tok s": SentencePiece training and tokenization of the
@@ -222,6 +223,19 @@ SCALE_ARGS = ["--config", "small", "--src_lang", "en", "--tgt_lang", "fr",
               "--config.train.batch_size=8"]
 
 
+def check_seconds(work: str) -> float:
+  """Seconds `token_ids.load` takes to check every cached split of a workdir (each file's
+  SHA-256 and arrays), as a resume does before its first step."""
+  from seq2seq.data import token_ids
+  from seq2seq.data.tokenizer import Tokenizer
+  vocab = Tokenizer.load(os.path.join(work, "vocab.model")).vocab_size
+  start = time.perf_counter()
+  for where in sorted(os.scandir(os.path.join(work, "data_cache")), key=lambda e: e.name):
+    if where.is_dir() and not where.name.startswith("."):
+      token_ids.load(where.path, vocab)
+  return time.perf_counter() - start
+
+
 def bench_scale(sizes: list[int], bible: str, root: str) -> list[dict]:
   rows = []
   for pairs in [0, *sizes]:   # 0: the Bible itself
@@ -233,6 +247,7 @@ def bench_scale(sizes: list[int], bible: str, root: str) -> list[dict]:
     files = [f"--{s}_files={os.path.join(corpus, s)}" for s in ("train", "validation", "test")]
     first = run_train(["--workdir", work, *SCALE_ARGS, *files], f"{work}.first.log")
     again = run_train(["--workdir", work, "--config.train.steps=3"], f"{work}.resume.log")
+    again["check_s"] = check_seconds(work)
     text = sum(os.path.getsize(os.path.join(corpus, f"train.{l}")) for l in ("en", "fr"))
     rows.append(dict(pairs=pairs or sum(1 for _ in open(os.path.join(bible, "train.en"))),
                      corpus="bible" if pairs == 0 else f"generated {pairs}",
@@ -241,7 +256,8 @@ def bench_scale(sizes: list[int], bible: str, root: str) -> list[dict]:
     print(f"{r['corpus']:>18}: first run {first['to_first_step_s']:.0f} s to the first step, "
           f"peak {first['peak_data_gb']:.2f} GB before it, {first['peak_gb']:.2f} GB in all; "
           f"resume {again['to_first_step_s']:.1f} s, {again['peak_data_gb']:.2f} / "
-          f"{again['peak_gb']:.2f} GB", flush=True)
+          f"{again['peak_gb']:.2f} GB; checking its token ids {again['check_s']:.2f} s",
+          flush=True)
   return rows
 
 

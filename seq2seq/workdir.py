@@ -177,7 +177,8 @@ class Workdir:
     self.create()
     # The workdir, and what a run there writes into: each probed by writing, not by its mode
     # bits (root, read-only mounts, immutable files).
-    for path, is_dir in ((self.path, True), (self.checkpoints, True), (self.metrics, False)):
+    for path, is_dir in ((self.path, True), (self.checkpoints, True), (self.data_cache, True),
+                         (self.metrics, False)):
       try:
         if is_dir and path.exists():   # a probe of its own: processes probe it at once
           with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe"):

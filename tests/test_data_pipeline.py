@@ -1,5 +1,7 @@
 """Packing, segment ids / positions, masks with the real Transformer, resume, host shards,
 length policy, evaluation padding."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,6 +177,47 @@ def test_plan_is_first_fit_written_plainly(monkeypatch, compiled):
       assert got == want, (trial, num_rows)
 
 
+PLAN_SAYING = r"""
+import sys, warnings
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from seq2seq.data import first_fit
+from seq2seq.data.pipeline import plan_rows
+with warnings.catch_warnings(record=True) as said:
+  warnings.simplefilter("always")
+  for _ in range(2):
+    plan_rows(np.full(50, 3), np.full(50, 4), np.arange(50), None, 16, pack=True)
+print(first_fit.available(), [str(w.message) for w in said])
+"""
+
+
+@pytest.mark.parametrize("case", ["no compiler", "a compiler that fails", "off"])
+def test_the_plans_python_loop_says_why_once(tmp_path, case):
+  """Without the compiled loop the plan is the Python one: said once, with why (a compiler
+  missing, failing), or nothing where SEQ2SEQ_NATIVE=off asked for it."""
+  import subprocess
+  import sys
+  env = {**os.environ, "SEQ2SEQ_NATIVE_DIR": str(tmp_path / "native")}
+  env.pop("CC", None)
+  if case == "no compiler":
+    env["PATH"] = str(tmp_path)                 # (an empty directory)
+  elif case == "a compiler that fails":
+    env["CC"] = "/bin/false"
+  else:
+    env["SEQ2SEQ_NATIVE"] = "off"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.run([sys.executable, "-c", PLAN_SAYING, root], env=env, capture_output=True,
+                     text=True, timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  said = {"no compiler": ["the packing plan runs its Python loop, ~50x slower than "
+                          "first_fit.c: no C compiler (cc, gcc or clang) on PATH"],
+          "a compiler that fails": ["the packing plan runs its Python loop, ~50x slower "
+                                    "than first_fit.c: /bin/false failed on first_fit.c: "
+                                    "exit 1"],
+          "off": []}[case]
+  assert p.stdout.strip() == f"False {said!r}", p.stdout
+
+
 def test_resume_at_step_k_is_exact(stream):
   """Batches from train_batches(k) equal batches k.. of an uninterrupted run, across epoch
   boundaries, and a fresh stream object gives the same batches."""
@@ -193,6 +236,33 @@ def test_resume_at_step_k_is_exact(stream):
   other = TrainStream(stream.pairs, batch_size=8, seq_len=32, pack=True, seed=4)
   assert not np.array_equal(other.batch(0)["src"], full[0]["src"])
   assert not np.array_equal(full[spe]["src"], full[0]["src"])
+
+
+def test_the_next_epochs_plan_is_made_ahead_on_a_thread(stream, monkeypatch):
+  """Past the middle of an epoch the next one's plan is made on a thread of its own, once;
+  the batches are those of each epoch's plan made plainly when it is needed."""
+  import threading
+  from seq2seq.data.pipeline import assemble, epoch_permutation
+  made = []
+  real = TrainStream._make_plan
+
+  def make_plan(self, epoch):
+    made.append((epoch, threading.current_thread().name))
+    return real(self, epoch)
+  monkeypatch.setattr(TrainStream, "_make_plan", make_plan)
+  pairs = stream.pairs
+  ahead = TrainStream(pairs, batch_size=8, seq_len=32, pack=True, seed=3)
+  steps = ahead.steps_per_epoch
+  for step in range(3 * steps + 1):
+    epoch, i = divmod(step, steps)
+    order = epoch_permutation(len(pairs), 3, epoch, 0)
+    plan, bounds = plan_rows(pairs.src_len, pairs.tgt_len, order, steps * 8, 32, pack=True)
+    want = assemble(pairs, plan, bounds[i * 8:(i + 1) * 8 + 1], 32, True)
+    got = ahead.batch(step)
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+  assert made == [(1, "plan of epoch 1"), (2, "plan of epoch 2"), (3, "plan of epoch 3")]
 
 
 def test_unpacked_rows():

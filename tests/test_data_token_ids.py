@@ -11,7 +11,7 @@ import pytest
 
 import seq2seq
 from seq2seq import UserError
-from seq2seq.data import dataset, load_dataset, parallel_text, token_ids, vocabulary
+from seq2seq.data import load_dataset, parallel_text, token_ids, vocabulary
 from seq2seq.data import testing as dtest
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.workdir import Workdir
@@ -54,7 +54,7 @@ def test_each_pairs_ids_here_or_over_worker_processes(corpus, monkeypatch):
   assert isinstance(here.src.flat, np.memmap) and here.src.flat.dtype == np.uint16
   assert here.src.offsets.dtype == np.uint32
   np.testing.assert_array_equal(here.src_pieces, np.bincount(here.src.flat, minlength=300))
-  again = token_ids.load(root / "here")
+  again = token_ids.load(root / "here", 300)
   for side in ("src", "tgt"):
     np.testing.assert_array_equal(getattr(again, side).flat, getattr(here, side).flat)
     np.testing.assert_array_equal(getattr(again, side).offsets, getattr(here, side).offsets)
@@ -63,7 +63,9 @@ def test_each_pairs_ids_here_or_over_worker_processes(corpus, monkeypatch):
       (here.src[i].tolist() for i in (3, 10, 11)), [])
   # a directory that is not whole is not read
   (root / "here" / "tgt.ids").write_bytes((root / "here" / "tgt.ids").read_bytes()[:-2])
-  assert token_ids.load(root / "here") is None
+  with pytest.raises(token_ids.Broken, match="tgt.ids is not the file that was written"):
+    token_ids.load(root / "here", 300)
+  assert token_ids.load(root / "nothing", 300) is None
 
 
 def test_a_run_stopped_while_tokenizing_leaves_nothing(tmp_path, monkeypatch):
@@ -86,6 +88,32 @@ def test_a_run_stopped_while_tokenizing_leaves_nothing(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     load_dataset(_cfg(prefix), str(tmp_path / "w2"), process_index=0, process_count=1)
   assert os.listdir(tmp_path / "w2") == ["checkpoints"]
+
+
+def test_the_vocabulary_is_published_before_tokenizing_and_a_refused_run_puts_back_what_it_replaced(
+    tmp_path, monkeypatch):
+  """A new vocabulary is in the workdir before the token ids are made (another host of the
+  run tokenizes its shards meanwhile); a run refused after it (every pair too long) leaves
+  the workdir as it was: a vocabulary it replaced (built with other settings, of no run) is
+  back, byte for byte."""
+  pairs = [(f"{s} big red", f"{t} gibo dero") for s, t in dtest.sentence_pairs(300, 1)]
+  prefix = dtest.write_moses(str(tmp_path / "c" / "train"), pairs)
+  work = tmp_path / "w"
+  load_dataset(_cfg(prefix, vocab_size=290), str(work), process_index=0, process_count=1)
+  before = {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()}
+  seen = []
+  real = token_ids.tokenize
+
+  def tokenize(*a, **k):
+    seen.append(Tokenizer.load(str(work / "vocab.model")).vocab_size)
+    return real(*a, **k)
+  monkeypatch.setattr(token_ids, "tokenize", tokenize)
+  with pytest.warns(UserWarning, match="built from other data or settings"):
+    with pytest.raises(UserError, match="are longer than the limits"):
+      load_dataset(_cfg(prefix, max_src_len=2, max_tgt_len=2), str(work), process_index=0,
+                   process_count=1)
+  assert seen and seen[0] == 300
+  assert {p.name: p.read_bytes() for p in work.iterdir() if p.is_file()} == before
 
 
 def test_what_a_killed_run_left_is_removed(tmp_path):
@@ -120,7 +148,7 @@ def test_a_workdir_of_an_earlier_version(tmp_path):
     load_dataset(_cfg(prefix), str(work), process_index=0, process_count=1)   # said once
     # the other corpora kept their order: replaced without a word
     (work / "data_cache" / "train-0of1-0123456789abcdef.npz").write_bytes(b"earlier")
-    dataset._tidy_cache(Workdir(work), True, "numbers")
+    token_ids.replace_earlier_versions(work / "data_cache", Workdir(work), False)
   assert not [w for w in said if "earlier version" in str(w.message)]
   assert not list((work / "data_cache").glob("*.npz"))
 
@@ -144,7 +172,7 @@ def test_sentencepiece_failing_is_one_line(corpus, tmp_path):
   args = {**Tokenizer.trainer_args(300), "model_type": "bpe", "vocab_size": 300,
           "character_coverage": 2.0}
   with pytest.raises(UserError) as e:
-    vocabulary._train_in_child([str(sample)], str(tmp_path / "model"), args, False)
+    vocabulary._train_in_child([str(sample)], args, False)
   assert str(e.value).startswith("SentencePiece training failed: ") and "\n" not in str(e.value)
 
 

@@ -13,8 +13,10 @@
 Also <workdir>/train_sources.json: what the training sources were (sources.py).
 
 Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
-Nothing is published into the workdir until every check on the data has passed (the files,
-the shards, the lengths): a refused run leaves no vocabulary or cache behind.
+A new vocabulary is published as soon as it is trained (the other hosts of a run tokenize
+their shards meanwhile), token ids once every check on the data has passed (the files, the
+shards, the lengths): a refused run leaves no vocabulary or cache of its own behind, and a
+vocabulary it replaced is back.
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ import numpy as np
 from seq2seq.config import Config
 from seq2seq.data import sources, token_ids, vocabulary
 from seq2seq.data.corpus import open_corpus
-from seq2seq.data.pipeline import TrainStream, apply_length_policy, pad_batch
-from seq2seq.data.tokenizer import EOS_ID, Tokenizer
+from seq2seq.data.files import atomic_write, cannot_write
+from seq2seq.data.pipeline import TrainStream, apply_length_policy, host_shards, pad_batch
+from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
@@ -50,65 +53,68 @@ class Dataset:
     self.workdir, self.progress = wd, progress
     self.process_index, self.process_count = process_index, process_count
     self.splits = corpus.splits
-    self._made: list[tuple[Path, Path]] | None = []   # tokenized here, not yet published
-    self.tokenizing_s = 0.0
+    self._made: list[tuple[Path, Path]] = []   # tokenized here, not yet published
+    self._published = False
+    self.tokenizing_s = self.checking_s = 0.0   # seconds tokenizing; checking stored ids
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
                       f"(available: {', '.join(self.splits)})")
-    t = cfg.train
-    if t.batch_size % process_count:
-      raise UserError(f"batch_size {t.batch_size} is not divisible by the number of hosts "
-                      f"({process_count})")
-    self.host_batch_size = t.batch_size // process_count
+    self.host_batch_size = cfg.train.batch_size // process_count
     for split in self.splits[1:]:   # read at every evaluation: checked before the first
       corpus.check(split)
     self._eval = {}
     self._build_train()
+    # and their token ids, made (or checked) now: a fault shows before training, not after
+    self._eval_ids = {split: self._token_ids(split, None, "all") for split in self.splits[1:]}
 
   # --- token ids, on disk -------------------------------------------------------------------
 
   def _token_ids(self, split: str, indices, shard: str) -> token_ids.TokenIds:
+    """The split's (shard's) stored token ids, checked; tokenized if there are none or they
+    are broken (set aside, said in one line)."""
     where = token_ids.path(self.workdir.data_cache, self.tokenizer,
                            self.corpus.identity(split), split, shard)
-    ids = token_ids.load(where)
+    start = time.perf_counter()
+    try:
+      ids = token_ids.load(where, self.tokenizer.vocab_size)
+    except token_ids.Broken as why:
+      warnings.warn(f"{where}: {why}; set aside, tokenizing it again")
+      token_ids.set_aside(where)
+      ids = None
+    self.checking_s += time.perf_counter() - start
     if ids is None:
       made, start = token_ids.staging(where), time.perf_counter()
       ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
-                               progress=self.progress)
+                               progress=self.progress, published_as=where)
       self.tokenizing_s += time.perf_counter() - start
-      if self._made is None:
-        token_ids.publish(made, where)
-        ids = token_ids.load(where)   # (the one in place, if another host's came first)
-      else:
-        self._made.append((made, where))
+      self._made.append((made, where))
+      if self._published:
+        self.publish()
     return ids
 
   def publish(self) -> None:
     """Moves the token ids made so far into place; from now on they are published as made."""
-    for made, where in self._made or ():
-      token_ids.publish(made, where)
-    self._made = None
+    for made, where in self._made:
+      try:
+        token_ids.publish(made, where, self.tokenizer.vocab_size)
+      except OSError as e:
+        raise cannot_write(where, e) from None
+    moved = dict(self._made)
+    self._eval_ids = {split: dataclasses.replace(ids, path=moved.get(ids.path, ids.path))
+                      for split, ids in self._eval_ids.items()}
+    self._made, self._published = [], True
 
   # --- training -----------------------------------------------------------------------
 
   def _build_train(self):
     d, t = self.cfg.data, self.cfg.train
     n = self.corpus.num_examples("train")
+    mine = host_shards(n, d.num_shards, t.batch_size, self.process_index, self.process_count)
     shards = d.num_shards or self.process_count
-    if shards % self.process_count or t.batch_size % shards:
-      raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
-                      f"({self.process_count}) and divide batch_size ({t.batch_size})")
-    per_host = shards // self.process_count
-    mine = range(self.process_index * per_host, (self.process_index + 1) * per_host)
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
     self._streams, totals, host_examples = [], {}, 0
-    pieces = np.zeros(self.tokenizer.vocab_size, np.int64)
-    self.longest_source = 0   # (EOS included)
-    for shard in mine:
-      # Shard `shard`: every `shards`-th pair, starting at `shard`.
-      idx = np.arange(shard, n, shards)
-      if len(idx) == 0:
-        raise UserError(f"the training split has {n} examples, fewer than the {shards} shards")
+    self._sources = sources.Tally(self.tokenizer.vocab_size)
+    for shard, idx in mine.items():
       ids = self._token_ids("train", idx, f"{shard}of{shards}")
       pairs, stats = apply_length_policy(ids.src, ids.tgt, src_limit, tgt_limit,
                                          d.length_policy)
@@ -118,14 +124,12 @@ class Dataset:
                         f"raise max_src_len/max_tgt_len/seq_len or use length_policy=truncate")
       for k in ("kept", "dropped_too_long", "truncated"):
         totals[k] = totals.get(k, 0) + stats[k]
-      pieces += _pieces_trained_on(ids, pairs, len(pieces))
-      self.longest_source = max(self.longest_source, int(pairs.src_len.max()))
+      self._sources.add(ids, pairs)
       host_examples += len(idx)
       self._streams.append(TrainStream(pairs, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
-                                       process_index=shard))
+                                       shard=shard))
     self.corpus.release("train")   # its text is read no more
-    self.source_pieces = pieces > 0
     over = totals["dropped_too_long"] + totals["truncated"]
     if over:
       warnings.warn(f"{over} of {host_examples} training pairs are longer than {src_limit} "
@@ -153,17 +157,8 @@ class Dataset:
       step += 1
 
   def train_sources(self, candidates: int = 100) -> sources.TrainSources:
-    """The record of what the training sources were, with an example: the first of the
-    first `candidates` sources of the first held-out split (else train) that is like them."""
-    seen = frozenset(np.flatnonzero(self.source_pieces).tolist()) - {EOS_ID}
-    record = sources.TrainSources(self.longest_source, seen)
-    split = next(s for s in ("test", "validation", "train") if s in self.splits)
-    texts, _ = self.corpus.read(split, range(min(candidates, self.num_examples(split))))
-    for text in texts:
-      ids = self.tokenizer.encode(self.tokenizer.normalize_source(text)) + [EOS_ID]
-      if text.strip() and not any(sources.unfamiliar(ids, self.tokenizer, record)):
-        return dataclasses.replace(record, example=text)
-    return record
+    """The record of what the training sources were (`sources.Tally.record`)."""
+    return self._sources.record(self.corpus, self.tokenizer, candidates)
 
   # --- evaluation ---------------------------------------------------------------------
 
@@ -173,7 +168,7 @@ class Dataset:
   def _eval_split(self, split: str):
     if split not in self._eval:
       src_text, tgt_text = self.corpus.read(split)
-      ids = self._token_ids(split, None, "all")
+      ids = self._eval_ids.get(split) or self._token_ids(split, None, "all")
       src, _ = ids.src.with_eos(self.cfg.data.max_src_len)
       tgt, _ = ids.tgt.with_eos(self.cfg.data.max_tgt_len)
       self._eval[split] = (src, tgt, src_text, tgt_text)
@@ -198,34 +193,9 @@ class Dataset:
       yield batch
 
 
-def _pieces_trained_on(ids: token_ids.TokenIds, pairs, vocab: int) -> np.ndarray:
-  """Occurrences of each piece in the sources the pairs take: the stored counts less those
-  of what the length policy leaves out (pairs dropped, tails cut), read from those alone."""
-  lens = ids.src.lengths
-  taken = np.zeros(len(lens), lens.dtype)                # tokens of each stored source taken
-  taken[pairs.keep] = pairs.src_len - 1
-  out = np.flatnonzero(taken < lens)
-  left = ids.read("src", ids.src.offsets[out].astype(np.int64) + taken[out], lens[out] - taken[out])
-  return ids.src_pieces - np.bincount(left, minlength=vocab)[:vocab]
-
-
 def _process() -> tuple[int, int]:
   import jax
   return jax.process_index(), jax.process_count()
-
-
-def _tidy_cache(wd: Workdir, resuming: bool, dataset: str) -> None:
-  """Token ids of this format replace the data_cache/*.npz files earlier versions wrote:
-  removed once the new ones are in place. Pairs of your own text came, in those versions,
-  in TFDS's order: a run resumed from then takes them in the files' order, and says so."""
-  old = sorted(wd.data_cache.glob("*.npz"))
-  if old and resuming and dataset == "parallel_text":
-    warnings.warn(f"{wd}: its training pairs were tokenized by an earlier version, in the "
-                  f"order TFDS had stored them: from the step it resumes at, this run takes "
-                  f"the same pairs in another order (the files')")
-  for path in old:
-    path.unlink(missing_ok=True)
-  token_ids.remove_staging(wd.data_cache)   # what killed runs left
 
 
 def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
@@ -254,29 +224,45 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
   tokenizer.lowercase_source = cfg.data.lowercase_source
   made = wd.create()
   had_cache = wd.data_cache.is_dir()
+  replaced = {path: path.read_bytes() if path.is_file() else None   # (a vocabulary no run
+              for path in (wd.vocab, wd.vocab_record)} if new else {}   # uses: kilobytes)
   resuming = wd.checkpoints.is_dir() and any(wd.checkpoints.iterdir())
   try:
-    wd.data_cache.mkdir(exist_ok=True)
+    if new:   # published first: the other hosts tokenize their shards meanwhile
+      vocabulary.write(wd, tokenizer, record)
+    try:
+      wd.data_cache.mkdir(exist_ok=True)
+    except OSError as e:
+      raise cannot_write(wd.data_cache, e) from None
     ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
-  except BaseException:   # refused (or interrupted): what it made goes
-    token_ids.remove_staging(wd.data_cache, os.getpid())
+    ds.publish()
+  except BaseException:   # refused (or interrupted): what it made goes, what it replaced
+    token_ids.remove_staging(wd.data_cache, os.getpid())   # is back
     if not had_cache:
       shutil.rmtree(wd.data_cache, ignore_errors=True)
+    for path, data in replaced.items():
+      if data is None:
+        path.unlink(missing_ok=True)
+      else:
+        atomic_write(path, data)
     wd.remove_made(made)
     raise
-  if new:   # every check has passed: now the files
-    vocabulary.write(wd, tokenizer, record)
-  ds.publish()
   if process_index == 0:
-    _tidy_cache(wd, resuming, cfg.data.dataset)
+    token_ids.replace_earlier_versions(wd.data_cache, wd,
+                                       resuming and cfg.data.dataset == "parallel_text")
+    token_ids.remove_staging(wd.data_cache)   # what killed runs left
+    # token ids no run of this workdir can use (another vocabulary, text that changed)
+    token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
+                              {split: corpus.identity(split) for split in corpus.splits})
     sources.write(wd, ds.train_sources())
   clock.append(time.perf_counter())
   seconds = dict(zip(("corpus", "vocabulary", "rows"), np.diff(clock).tolist()))
-  seconds["token ids"] = ds.tokenizing_s
-  seconds["rows"] -= ds.tokenizing_s
+  seconds["token ids"], seconds["checks"] = ds.tokenizing_s, ds.checking_s
+  seconds["rows"] -= ds.tokenizing_s + ds.checking_s
   ds.stats["seconds"] = seconds
   if process_index == 0 and clock[-1] - clock[0] >= LONG:   # what the time went on
     print(f"data ready in {clock[-1] - clock[0]:.0f} s: " + ", ".join(
-        f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "rows")),
+        f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "checks",
+                                            "rows")),
         file=sys.stderr, flush=True)
   return ds

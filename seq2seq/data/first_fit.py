@@ -5,7 +5,8 @@ speed, so that an epoch of millions of pairs is planned in a fraction of a secon
 The library is built into $XDG_CACHE_HOME/seq2seq/native (default ~/.cache/seq2seq/native;
 SEQ2SEQ_NATIVE_DIR elsewhere), named by a hash of its source and the compiler, so later
 processes load it at once. Without a compiler, with a build that fails, or with
-SEQ2SEQ_NATIVE=off, `rows` returns None and the caller runs the Python loop.
+SEQ2SEQ_NATIVE=off, `rows` returns None and the caller runs the Python loop, saying why
+once (`say_why_python`; not when SEQ2SEQ_NATIVE=off asked for it).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +32,20 @@ def _directory() -> Path:
   return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "seq2seq" / "native"
 
 
+_why_not = ""
+
+
 @functools.cache
 def _library():
-  """The loaded library, or None when it cannot be had."""
+  """The loaded library, or None when it cannot be had (`unavailable_reason` says why)."""
+  global _why_not
   if os.environ.get("SEQ2SEQ_NATIVE", "").lower() in ("off", "0", "false", "no"):
+    _why_not = "SEQ2SEQ_NATIVE is off"
     return None
   cc = next((p for p in map(shutil.which, (os.environ.get("CC") or "cc", "gcc", "clang"))
              if p), None)
   if cc is None:
+    _why_not = "no C compiler (cc, gcc or clang) on PATH"
     return None
   key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *FLAGS]).encode()).hexdigest()[:16]
   where = _directory()
@@ -48,14 +56,19 @@ def _library():
       fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)   # then renamed: concurrent builds
       os.close(fd)                                          # each write whole files
       try:
-        if subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True).returncode:
+        built = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
+                               text=True, errors="replace")
+        if built.returncode:
+          said = (built.stderr.strip().splitlines() or [f"exit {built.returncode}"])[0]
+          _why_not = f"{cc} failed on {SOURCE.name}: {said}"
           return None
         os.replace(tmp, lib)
       finally:
         if os.path.exists(tmp):
           os.remove(tmp)
     f = ctypes.CDLL(str(lib)).seq2seq_first_fit
-  except (OSError, AttributeError):
+  except (OSError, AttributeError) as e:
+    _why_not = f"cannot build or load {lib}: {getattr(e, 'strerror', None) or e}"
     return None
   i32 = np.ctypeslib.ndpointer(np.int32, flags="C")
   f.argtypes = [i32, i32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, i32]
@@ -65,6 +78,21 @@ def _library():
 
 def available() -> bool:
   return _library() is not None
+
+
+def unavailable_reason() -> str:
+  """Why the compiled loop cannot be had ("" if it can)."""
+  return "" if available() else _why_not
+
+
+@functools.cache
+def say_why_python() -> None:
+  """Says once, as a warning, that the plan runs the Python loop, and why (not when
+  SEQ2SEQ_NATIVE=off asked for it)."""
+  why = unavailable_reason()
+  if why and why != "SEQ2SEQ_NATIVE is off":
+    warnings.warn(f"the packing plan runs its Python loop, ~50x slower than first_fit.c: "
+                  f"{why}")
 
 
 def rows(src_len: np.ndarray, tgt_len: np.ndarray, seq_len: int, window: int,

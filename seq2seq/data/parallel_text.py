@@ -23,6 +23,7 @@ import codecs
 import dataclasses
 import hashlib
 import os
+import stat
 
 import numpy as np
 
@@ -81,6 +82,8 @@ def resolve_files(train_files: str, validation_files: str = "", test_files: str 
 _BLOCK = 1 << 24   # bytes read at a time
 _SPAN = 1 << 22    # lines read together when they start within this many bytes
 _BOM = b"\xef\xbb\xbf"
+_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
 
 
 class TextFile:
@@ -94,10 +97,41 @@ class TextFile:
       raise UserError(f"parallel_text: no such file: {path}")
     if os.path.isdir(path):
       raise UserError(f"parallel_text: {path} is a directory, expected a text file")
-    self.sha256, self._len = _digest(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):   # a FIFO or a device would be read forever, or block
+      kind = next((k for test, k in _KINDS if test(mode)), "special file")
+      raise UserError(f"parallel_text: {path} is not a regular file (a {kind}): give a file")
+    with self._open() as f:
+      self._stat = _identity(f)
+      try:
+        self.sha256, self._len, lone_cr = _digest(f)
+      except OSError as e:
+        self._unreadable(e)
+      self._check_unchanged(f)
     if not self._len:
       raise UserError(f"parallel_text: {path} is empty")
+    if lone_cr > self._len:   # more "\\r" alone than lines: its lines end so
+      raise UserError(f"parallel_text: {path} ends its lines with \\r alone (old Mac OS line "
+                      f"ends): convert them to \\n, e.g. with tr '\\r' '\\n'")
     self.starts = self.ends = self.tabs = None
+
+  def _open(self):
+    try:
+      return open(self.path, "rb")
+    except OSError as e:
+      self._unreadable(e)
+
+  def _unreadable(self, e: OSError):
+    raise UserError(f"parallel_text: cannot read {self.path}: {e.strerror or e}") from None
+
+  def _check_unchanged(self, f) -> None:
+    """UserError if the file is not the one this run opened (its size, time or inode)."""
+    if _identity(f) != self._stat:
+      self._changed()
+
+  def _changed(self):
+    raise UserError(f"parallel_text: {self.path} changed while this run read it: run again "
+                    f"once it is written")
 
   def __len__(self) -> int:
     return self._len
@@ -107,7 +141,16 @@ class TextFile:
     columns (UserError naming the first line that is wrong). Once, before the first read: a
     run whose vocabulary and token ids are stored reads no text at all."""
     if self.starts is None:
-      self.starts, self.ends, self.tabs = _index(self.path, self.tsv)
+      with self._open() as f:
+        self._check_unchanged(f)
+        try:
+          sha256, self.starts, self.ends, self.tabs = _index(f, self.path, self.tsv)
+        except OSError as e:
+          self._unreadable(e)
+        self._check_unchanged(f)
+      if sha256 != self.sha256:   # not the text the run opened: nothing of it is read
+        self.release()
+        self._changed()
 
   def release(self) -> None:
     """Forgets the index (16 bytes a line) until the next read."""
@@ -120,61 +163,87 @@ class TextFile:
     if len(idx) == 0:
       return []
     a, b = int(idx[0]), int(idx[-1]) + 1
-    with open(self.path, "rb") as f:
-      if (b - a == len(idx) and np.all(np.diff(idx) == 1)
-          and np.all(self.starts[a + 1:b] == self.ends[a:b - 1] + 1)):
-        # a run of lines ended by "\\n" alone: decoded at once, split at "\\n"
-        f.seek(self.starts[a])
-        out = f.read(self.ends[b - 1] - self.starts[a]).decode("utf-8").split("\n")
-        assert len(out) == len(idx)
-        return out
-      return _read_lines(f, self.starts, self.ends, idx)
+    with self._open() as f:
+      self._check_unchanged(f)
+      try:
+        if (b - a == len(idx) and np.all(np.diff(idx) == 1)
+            and np.all(self.starts[a + 1:b] == self.ends[a:b - 1] + 1)):
+          # a run of lines ended by "\\n" alone: decoded at once, split at "\\n"
+          f.seek(self.starts[a])
+          out = f.read(self.ends[b - 1] - self.starts[a]).decode("utf-8").split("\n")
+        else:
+          out = _read_lines(f, self.starts, self.ends, idx)
+      except UnicodeDecodeError:   # (it was UTF-8 when indexed)
+        self._changed()
+      except OSError as e:
+        self._unreadable(e)
+      if len(out) != len(idx):
+        self._changed()
+      self._check_unchanged(f)
+      return out
 
   def columns(self, indices=None) -> tuple[list[str], list[str]]:
     """A TSV file's two columns of lines `indices` (default: all)."""
     self.check()
     idx = np.arange(len(self)) if indices is None else np.asarray(indices, np.int64)
-    with open(self.path, "rb") as f:
-      return (_read_lines(f, self.starts, self.tabs, idx),
-              _read_lines(f, self.tabs + 1, self.ends, idx))
-
-
-def _digest(path: str) -> tuple[str, int]:
-  """(SHA-256, lines) of a file; 0 lines if it holds nothing but white space."""
-  digest = hashlib.sha256()
-  size, count, last, text = 0, 0, b"\n", False
-  with open(path, "rb") as f:
-    while block := f.read(_BLOCK):
-      digest.update(block)
-      count += block.count(b"\n")
-      text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
-      size, last = size + len(block), block[-1:]
-  return digest.hexdigest(), (count + (last != b"\n")) if text else 0
-
-
-def _index(path: str, tsv: bool):
-  """(starts, ends, tab offsets or None) of a file's lines; UserError if it is not UTF-8 or
-  (tsv) a line has not exactly one tab."""
-  decoder = codecs.getincrementaldecoder("utf-8")()
-  newlines, before_newline, tabs = [], [], []
-  size, last = 0, 10
-  with open(path, "rb") as f:
-    while block := f.read(_BLOCK):
+    with self._open() as f:
+      self._check_unchanged(f)
       try:
-        if not (block.isascii() and decoder.getstate()[0] == b""):
-          decoder.decode(block)
+        out = (_read_lines(f, self.starts, self.tabs, idx),
+               _read_lines(f, self.tabs + 1, self.ends, idx))
       except UnicodeDecodeError:
-        _raise_not_utf8(path)
-      data = np.frombuffer(block, np.uint8)
-      nl = np.flatnonzero(data == 10)
-      prev = data[np.maximum(nl - 1, 0)]
-      if len(nl) and nl[0] == 0:
-        prev[0] = last
-      newlines.append(nl + size)
-      before_newline.append(prev == 13)
-      if tsv:
-        tabs.append(np.flatnonzero(data == 9) + size)
-      size, last = size + len(block), block[-1]
+        self._changed()
+      except OSError as e:
+        self._unreadable(e)
+      self._check_unchanged(f)
+      return out
+
+
+def _identity(f) -> tuple[int, int, int, int]:
+  """What tells an open file's version: device, inode, size, modification time (ns)."""
+  st = os.fstat(f.fileno())
+  return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _digest(f) -> tuple[str, int, int]:
+  """(SHA-256, lines, "\\r" not before a "\\n") of an open file; 0 lines if it holds
+  nothing but white space."""
+  digest = hashlib.sha256()
+  size, count, lone_cr, last, text = 0, 0, 0, b"\n", False
+  while block := f.read(_BLOCK):
+    digest.update(block)
+    count += block.count(b"\n")
+    lone_cr += block.count(b"\r") - block.count(b"\r\n") - (last == b"\r" and block[:1] == b"\n")
+    text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
+    size, last = size + len(block), block[-1:]
+  return digest.hexdigest(), (count + (last != b"\n")) if text else 0, lone_cr
+
+
+def _index(f, path: str, tsv: bool):
+  """(SHA-256, starts, ends, tab offsets or None) of an open file's lines; UserError if it
+  is not UTF-8 or (tsv) a line has not exactly one tab."""
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  digest = hashlib.sha256()
+  newlines, before_newline, tabs = [], [], []
+  size, last, first = 0, 10, b""
+  while block := f.read(_BLOCK):
+    digest.update(block)
+    try:
+      if not (block.isascii() and decoder.getstate()[0] == b""):
+        decoder.decode(block)
+    except UnicodeDecodeError:
+      _raise_not_utf8(path)
+    data = np.frombuffer(block, np.uint8)
+    nl = np.flatnonzero(data == 10)
+    prev = data[np.maximum(nl - 1, 0)]
+    if len(nl) and nl[0] == 0:
+      prev[0] = last
+    newlines.append(nl + size)
+    before_newline.append(prev == 13)
+    if tsv:
+      tabs.append(np.flatnonzero(data == 9) + size)
+    first = first or block[:3]
+    size, last = size + len(block), block[-1]
   try:
     decoder.decode(b"", final=True)
   except UnicodeDecodeError:
@@ -186,10 +255,10 @@ def _index(path: str, tsv: bool):
   if size == 0 or last == 10:          # nothing after the last "\\n": not a line
     starts, ends, cr = starts[:-1], ends[:-1], cr[:-1]
   ends -= cr
-  if size >= 3 and _starts_with_bom(path):
+  if size >= 3 and first == _BOM:
     starts[0] += 3
   if not tsv:
-    return starts, ends, None
+    return digest.hexdigest(), starts, ends, None
   tabs = np.concatenate(tabs).astype(np.int64)
   lo, hi = np.searchsorted(tabs, starts), np.searchsorted(tabs, ends)
   bad = np.flatnonzero(hi - lo != 1)
@@ -197,18 +266,13 @@ def _index(path: str, tsv: bool):
     i = int(bad[0])
     raise UserError(f"parallel_text: {path} line {i + 1}: expected 2 tab-separated "
                     f"columns (source<TAB>target), found {int(hi[i] - lo[i]) + 1}")
-  return starts, ends, tabs[lo]
+  return digest.hexdigest(), starts, ends, tabs[lo]
 
 
 def _raise_not_utf8(path: str):
   for _ in textio.iter_lines(path):   # raises the UserError naming the line
     pass
   raise UserError(f"parallel_text: {path}: invalid UTF-8")
-
-
-def _starts_with_bom(path: str) -> bool:
-  with open(path, "rb") as f:
-    return f.read(3) == _BOM
 
 
 def _read_lines(f, starts: np.ndarray, ends: np.ndarray, idx: np.ndarray) -> list[str]:

@@ -3,9 +3,9 @@
 Pairs are stored ragged (`Ragged`: one flat token array, maybe memory-mapped, + offsets),
 tokenized once (token_ids.py). The length policy reads their lengths only (`Pairs`: which
 pairs, how long in a row); a batch copies just its own rows' tokens, EOS appended.
-Training order is a pure function of (seed, step, process): the stream is cut into epochs of
-exactly `steps_per_epoch` batches; epoch e visits this host's pairs in the order
-`permutation(seed, e, process_index)`, packs them into rows in that order (first-fit over
+Training order is a pure function of (seed, step, shard): the stream is cut into epochs of
+exactly `steps_per_epoch` batches; epoch e visits a shard's pairs in the order
+`permutation(seed, e, shard)`, packs them into rows in that order (first-fit over
 the last 64 rows started, or one pair per row), wraps around to the start of the order
 if rows are left, and skips the few pairs that do not fit. So batch k is found by
 computing the plan of epoch k // steps_per_epoch only, and resuming at step k is exact.
@@ -17,70 +17,16 @@ NumPy.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import queue
 import threading
 from typing import Iterator
 
 import numpy as np
 
 from seq2seq.data import first_fit
+from seq2seq.data.prefetch import Prefetch  # noqa: F401 (train_lib's, from here)
+from seq2seq.data.ragged import Ragged, gather_index
 from seq2seq.data.tokenizer import EOS_ID, PAD_ID
-
-
-@dataclasses.dataclass(frozen=True)
-class Ragged:
-  """A list of int32 sequences as `flat` tokens and `offsets` ([n+1], offsets[0] == 0)."""
-  flat: np.ndarray
-  offsets: np.ndarray
-
-  @classmethod
-  def from_lists(cls, seqs) -> "Ragged":
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    offsets = np.zeros(len(seqs) + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32,
-                       count=int(offsets[-1]))
-    return cls(flat, offsets)
-
-  def __len__(self) -> int:
-    return len(self.offsets) - 1
-
-  @property
-  def lengths(self) -> np.ndarray:
-    return np.diff(self.offsets)
-
-  def __getitem__(self, i: int) -> np.ndarray:
-    return self.flat[self.offsets[i]:self.offsets[i + 1]]
-
-  def take(self, idx: np.ndarray) -> "Ragged":
-    idx = np.asarray(idx, np.int64)
-    lens = self.lengths[idx]
-    offsets = np.zeros(len(idx) + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return Ragged(self.flat[gather_index(self.offsets[idx], lens)], offsets)
-
-  def with_eos(self, max_len: int) -> tuple["Ragged", np.ndarray]:
-    """Each sequence cut to max_len - 1 tokens and EOS appended; also the cut mask."""
-    lens = self.lengths
-    keep_lens = np.minimum(lens, max_len - 1)
-    src = gather_index(self.offsets[:-1], keep_lens)
-    new_lens = keep_lens + 1
-    offsets = np.zeros(len(self) + 1, np.int64)
-    np.cumsum(new_lens, out=offsets[1:])
-    flat = np.full(int(offsets[-1]), EOS_ID, np.int32)
-    flat[gather_index(offsets[:-1], keep_lens)] = self.flat[src]
-    return Ragged(flat, offsets), lens > keep_lens
-
-
-def gather_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-  """Concatenation of arange(s, s + l) for each (s, l): the flat positions of a selection."""
-  starts, lens = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
-  total = int(lens.sum())
-  if total == 0:
-    return np.zeros(0, np.int64)
-  excl = np.cumsum(lens) - lens
-  return np.repeat(starts - excl, lens) + np.arange(total, dtype=np.int64)
+from seq2seq.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +73,31 @@ def _index_dtype(n: int):
   return np.int32 if n < 1 << 31 else np.int64
 
 
+def host_shards(examples: int, num_shards: int, batch_size: int, process_index: int,
+                process_count: int) -> dict[int, np.ndarray]:
+  """This host's shards of the training pairs: shard -> its pairs (shard s holds every
+  `shards`-th pair from s; `shards` is num_shards, or one a host). A host takes
+  shards // process_count of them in a row, each its batch_size // shards rows of a batch.
+  UserError where the numbers do not divide."""
+  if batch_size % process_count:
+    raise UserError(f"batch_size {batch_size} is not divisible by the number of hosts "
+                    f"({process_count})")
+  shards = num_shards or process_count
+  if shards % process_count or batch_size % shards:
+    raise UserError(f"num_shards {shards} must be a multiple of the number of hosts "
+                    f"({process_count}) and divide batch_size ({batch_size})")
+  if examples < shards:
+    raise UserError(f"the training split has {examples} examples, fewer than the {shards} "
+                    f"shards")
+  per_host = shards // process_count
+  return {s: np.arange(s, examples, shards)
+          for s in range(process_index * per_host, (process_index + 1) * per_host)}
+
+
 # --- training order ------------------------------------------------------------------------
 
-def epoch_permutation(n: int, seed: int, epoch: int, process_index: int) -> np.ndarray:
-  return np.random.default_rng([seed, epoch, process_index]).permutation(n)
+def epoch_permutation(n: int, seed: int, epoch: int, shard: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch, shard]).permutation(n)
 
 
 # Rows filled at once when packing: more pack tighter but plan slower. On the README's Bible
@@ -161,6 +128,7 @@ def one_pass(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray, max_
   t = np.ascontiguousarray(tgt_lens[order], np.int32)
   row = first_fit.rows(s, t, seq_len, OPEN_ROWS, max_rows)
   if row is None:   # no C compiler: the same rule in Python
+    first_fit.say_why_python()
     row = _first_fit_rows(s, t, seq_len, OPEN_ROWS, max_rows)
   del s, t
   if row.min(initial=0) >= 0 and row.max(initial=0) < max_rows:   # all placed
@@ -256,19 +224,20 @@ def assemble(pairs: Pairs, stream: np.ndarray, bounds: np.ndarray, seq_len: int,
 
 
 class TrainStream:
-  """Infinite, deterministic training batches of one host's pairs.
+  """Infinite, deterministic training batches of one shard's pairs.
 
-  Batch k (a dict of int32 [batch_size, seq_len]) depends only on (seed, k, process_index)
-  and the data. `pairs` fit `seq_len` (the length policy's limits).
+  Batch k (a dict of int32 [batch_size, seq_len]) depends only on (seed, k, shard) and the
+  data. `pairs` fit `seq_len` (the length policy's limits). Halfway through an epoch the
+  next epoch's plan is made on a thread of its own, so that the boundary waits for nothing.
   """
 
   def __init__(self, pairs: Pairs, *, batch_size: int, seq_len: int, pack: bool, seed: int,
-               process_index: int = 0):
+               shard: int = 0):
     if len(pairs) == 0:
       raise ValueError("no training examples")
     self.pairs = pairs
     self.batch_size, self.seq_len, self.pack = batch_size, seq_len, pack
-    self.seed, self.process_index = seed, process_index
+    self.seed, self.shard = seed, shard
     # Epoch 0's one pass sets the number of steps of every epoch (and starts its plan).
     order = self._order(0)
     if pack:
@@ -281,21 +250,50 @@ class TrainStream:
     self._plans = {0: (extend_plan(first, pairs.src_len, pairs.tgt_len, order, num_rows,
                                    seq_len) if pack else
                        plan_rows(None, None, order, num_rows, seq_len, False))}
+    self._ahead: tuple[int, threading.Thread, list] | None = None   # the next epoch's
 
   def _order(self, epoch: int) -> np.ndarray:
     n = len(self.pairs)
-    return epoch_permutation(n, self.seed, epoch, self.process_index).astype(_index_dtype(n))
+    return epoch_permutation(n, self.seed, epoch, self.shard).astype(_index_dtype(n))
+
+  def _make_plan(self, epoch: int):
+    return plan_rows(self.pairs.src_len, self.pairs.tgt_len, self._order(epoch),
+                     self.steps_per_epoch * self.batch_size, self.seq_len, self.pack)
 
   def _plan(self, epoch: int):
-    if epoch not in self._plans:  # keeps one epoch's
-      self._plans = {epoch: plan_rows(self.pairs.src_len, self.pairs.tgt_len,
-                                      self._order(epoch), self.steps_per_epoch * self.batch_size,
-                                      self.seq_len, self.pack)}
+    if epoch not in self._plans:   # keeps one epoch's (and the next, once prepared)
+      if self._ahead is not None and self._ahead[0] == epoch:
+        _, thread, out = self._ahead
+        thread.join()
+        if isinstance(out[0], BaseException):
+          raise out[0]
+        plan = out[0]
+      else:
+        plan = self._make_plan(epoch)
+      self._plans, self._ahead = {epoch: plan}, None
     return self._plans[epoch]
+
+  def _prepare(self, epoch: int) -> None:
+    """Starts making epoch `epoch`'s plan on a thread (the C loop and NumPy's sort run
+    without the interpreter's lock)."""
+    if epoch in self._plans or (self._ahead is not None and self._ahead[0] == epoch):
+      return
+    out: list = [None]
+
+    def make():
+      try:
+        out[0] = self._make_plan(epoch)
+      except BaseException as e:   # raised where the plan is asked for
+        out[0] = e
+    thread = threading.Thread(target=make, daemon=True, name=f"plan of epoch {epoch}")
+    self._ahead = (epoch, thread, out)
+    thread.start()
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     epoch, i = divmod(step, self.steps_per_epoch)
     stream, bounds = self._plan(epoch)
+    if 2 * i >= self.steps_per_epoch - 1:
+      self._prepare(epoch + 1)
     b = bounds[i * self.batch_size:(i + 1) * self.batch_size + 1]
     return assemble(self.pairs, stream, b, self.seq_len, self.pack)
 
@@ -337,26 +335,3 @@ def pad_batch(src: Ragged, tgt: Ragged, idx: np.ndarray, batch_size: int,
   valid[:len(idx)] = True
   out["valid"] = valid
   return out
-
-
-class Prefetch:
-  """Prepares the next batches on a background thread while the device computes."""
-
-  def __init__(self, it, size: int = 4):
-    self._q: queue.Queue = queue.Queue(size)
-    self._it = it
-    self._t = threading.Thread(target=self._run, daemon=True)
-    self._t.start()
-
-  def _run(self):
-    try:
-      for x in self._it:
-        self._q.put(x)
-    except BaseException as e:  # surfaced on the main thread
-      self._q.put(e)
-
-  def __next__(self):
-    x = self._q.get()
-    if isinstance(x, BaseException):
-      raise x
-    return x

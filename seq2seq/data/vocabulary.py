@@ -11,6 +11,7 @@ progress bar. The sample holds at most SPM_MAX_PAIRS pairs and SPM_MAX_BYTES of 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -19,12 +20,14 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 
 import numpy as np
 
 from seq2seq.config import Config
-from seq2seq.data.tokenizer import Tokenizer, atomic_write, normalize_source, wait_for
+from seq2seq.data.files import atomic_write, cannot_write, wait_for
+from seq2seq.data.tokenizer import Tokenizer, normalize_source
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
@@ -68,6 +71,10 @@ def built_from(cfg: Config, corpus) -> dict:
   return record
 
 
+# What a vocabulary's record says of the training text alone (not of the settings).
+_THE_TEXT = {"training_data", "training_pairs", "max_bytes"}
+
+
 def _read_record(wd: Workdir) -> dict | None:
   try:
     record = json.loads(wd.vocab_record.read_text())
@@ -81,7 +88,10 @@ def _stored(wd: Workdir, record_now: dict) -> tuple[bytes | None, str]:
   path = wd.vocab
   if not path.exists():
     return None, ""
-  proto = path.read_bytes()
+  try:
+    proto = path.read_bytes()
+  except OSError as e:
+    raise UserError(f"cannot read {path}: {e.strerror or e}") from None
   record = _read_record(wd)
   of_a_run = wd.config.exists()   # its checkpoints depend on it
   if record is not None and record.get("sha256") != hashlib.sha256(proto).hexdigest():
@@ -90,7 +100,14 @@ def _stored(wd: Workdir, record_now: dict) -> tuple[bytes | None, str]:
     why = "" if of_a_run else "nothing records what it was built from"
   elif record.get("built_from") != record_now:
     was = record.get("built_from") or {}
-    diff = [f"{k}: {was.get(k)!r} -> {v!r}" for k, v in record_now.items() if was.get(k) != v]
+    changed = [k for k in {**was, **record_now} if was.get(k) != record_now.get(k)]
+    if of_a_run and set(changed) <= _THE_TEXT:   # the run goes on: what changes, said
+      warnings.warn(f"the training text changed since this run's vocabulary was made "
+                    f"({was.get('training_pairs')} -> {record_now['training_pairs']} pairs): "
+                    f"from the step it resumes at, the run trains on the new text's pairs, "
+                    f"with the vocabulary it has")
+      return proto, ""
+    diff = [f"{k}: {was.get(k)!r} -> {record_now.get(k)!r}" for k in changed]
     why = f"it was built from other data or settings ({'; '.join(diff[:2])})"
   else:
     why = ""
@@ -125,7 +142,12 @@ def vocabulary(cfg: Config, wd: Workdir, corpus, process_index: int = 0,
       why = "it is not a readable SentencePiece model"
   if why:
     warnings.warn(f"{path}: {why}; no run uses it: training a new one in its place")
-  return train(corpus, record, progress), True, record
+  tokenizer = train(corpus, record, progress)
+  if tokenizer.vocab_size < record["vocab_size"] and cfg.data.dataset != "numbers":
+    warnings.warn(f"data.vocab_size {record['vocab_size']}: the training text gave "
+                  f"SentencePiece {tokenizer.vocab_size:,} ids, the vocabulary's size (the "
+                  f"model's vocab_size, in config.json)")
+  return tokenizer, True, record
 
 
 def write(wd: Workdir, tokenizer: Tokenizer, record: dict) -> None:
@@ -145,17 +167,25 @@ def train(corpus, record: dict, progress: bool = False) -> Tokenizer:
   k, _ = sample_size(corpus)
   idx = np.arange(n) if k >= n else np.sort(
       np.random.default_rng(0).choice(n, k, replace=False))
-  with tempfile.TemporaryDirectory(prefix="seq2seq-vocabulary-") as tmp:
+  try:
+    sample_dir = tempfile.TemporaryDirectory(prefix="seq2seq-vocabulary-")
+  except OSError as e:
+    raise cannot_write(tempfile.gettempdir(), e, "for the vocabulary's sample: set TMPDIR to "
+                       "a writable directory with room") from None
+  with sample_dir as tmp:
     sample = os.path.join(tmp, "sample")
-    with open(f"{sample}.src", "wb") as s, open(f"{sample}.tgt", "wb") as t:
-      for a in range(0, len(idx), _CHUNK):
-        src, tgt = corpus.read("train", idx[a:a + _CHUNK])
-        _write_records(s, (normalize_source(x, record["lowercase_source"]) for x in src))
-        _write_records(t, tgt)
+    try:
+      with open(f"{sample}.src", "wb") as s, open(f"{sample}.tgt", "wb") as t:
+        for a in range(0, len(idx), _CHUNK):
+          src, tgt = corpus.read("train", idx[a:a + _CHUNK])
+          _write_records(s, (normalize_source(x, record["lowercase_source"]) for x in src))
+          _write_records(t, tgt)
+    except OSError as e:
+      raise cannot_write(tmp, e, "the vocabulary's sample, removed again: free space there, "
+                         "or set TMPDIR to a directory on a disk with room") from None
     args = Tokenizer.trainer_args(record["vocab_size"], record["spm_model_type"],
                                   record["character_coverage"])
-    return Tokenizer(_train_in_child([f"{sample}.src", f"{sample}.tgt"],
-                                     os.path.join(tmp, "model"), args, progress))
+    return Tokenizer(_train_in_child([f"{sample}.src", f"{sample}.tgt"], args, progress))
 
 
 def _write_records(f, texts) -> None:
@@ -179,20 +209,23 @@ _EM = re.compile(r"EM sub_iter=\d+ size=(\d+)")
 _BPE = re.compile(r"Added: freq=\d+ size=(\d+)")
 
 
-def _train_in_child(sample: list[str], model: str, args: dict, progress: bool) -> bytes:
-  """Runs this module as a child process on the sample files; the model's bytes."""
+def _train_in_child(sample: list[str], args: dict, progress: bool) -> bytes:
+  """Runs this module as a child process on the sample files (it ends with this one); the
+  model's bytes, which it writes to its standard output."""
   from tqdm import tqdm
-  cmd = [sys.executable, "-m", "seq2seq.data.vocabulary", model, json.dumps(args), *sample]
+  cmd = [sys.executable, "-m", "seq2seq.data.vocabulary", str(os.getpid()), json.dumps(args),
+         *sample]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
        *filter(None, [os.environ.get("PYTHONPATH")])])}
   bar = tqdm(total=100, desc="vocabulary", unit="%", disable=not progress, delay=BAR_DELAY,
              bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]",
              file=sys.stderr)
-  seeds, target, last = 0, args["vocab_size"], []
-  with subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                        errors="replace", env=env) as p:
-    for line in p.stderr:
+  seeds, target, last, model = 0, args["vocab_size"], [], []
+  with subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as p:
+    reader = threading.Thread(target=lambda: model.append(p.stdout.read()), daemon=True)
+    reader.start()
+    for line in io.TextIOWrapper(p.stderr, errors="replace"):
       last = (last + [line.strip()])[-5:]
       done = None
       if _LOADED.search(line):
@@ -206,25 +239,29 @@ def _train_in_child(sample: list[str], model: str, args: dict, progress: bool) -
         done = 10 + 88 * int(m.group(1)) / target
       if done is not None and done > bar.n:
         bar.update(done - bar.n)
+    reader.join()
   if p.returncode == 0:
     bar.update(100 - bar.n)
   bar.close()
   if p.returncode != 0:
     why = next((l for l in reversed(last) if l.startswith("error: ")), f"exit {p.returncode}")
     raise UserError(f"SentencePiece training failed: {why.removeprefix('error: ')}")
-  with open(model, "rb") as f:
-    return f.read()
+  return model[0]
 
 
-def _main(model: str, args: str, *sample: str) -> int:
+def _main(parent: str, args: str, *sample: str) -> int:
+  from seq2seq.data.files import end_with_parent
+  end_with_parent(int(parent))   # a killed run leaves no trainer behind
+  out = os.fdopen(os.dup(1), "wb")   # the model; anything else written to standard output
+  os.dup2(2, 1)                      # goes to standard error
   import sentencepiece as spm
   try:
-    with open(model, "wb") as out:
-      spm.SentencePieceTrainer.train(sentence_iterator=_read_records(sample),
-                                     model_writer=out, **{**json.loads(args), "minloglevel": 0})
+    spm.SentencePieceTrainer.train(sentence_iterator=_read_records(sample), model_writer=out,
+                                   **{**json.loads(args), "minloglevel": 0})
   except RuntimeError as e:
     print(f"error: {(str(e).strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
     return 3
+  out.close()
   return 0
 
 
