@@ -293,10 +293,12 @@ def _raise_if_cudnn_failed(e: BaseException) -> None:
 
 
 def stop_every_host(line: str, forms=(), store: bool = False):
-  """Raises HostsStopped(`line`) once every other host has seen it (they stop too): on
-  several hosts a failure inside a program leaves the others waiting in its collectives, so
-  no host may redo it alone. With `store`, the move of `forms` to XLA's attention is stored
-  first (the evidence names cuDNN), and the rerun resumes on it."""
+  """Ends this process (exit 2, `line` on standard error) once every other host has seen
+  it (they end too): on several hosts a failure inside a program leaves the others waiting
+  in its collectives, so no host may redo it alone, nor run the collectives of a clean exit
+  (a checkpoint manager's) while the others are elsewhere. With `store`, the move of
+  `forms` to XLA's attention is stored first (the evidence names cuDNN), and the rerun
+  resumes on it."""
   if forms and store:
     acc.keep(acc.move_to_xla(forms, "failed on this host"))
     line += ": every host stops; rerun to resume from the last checkpoint on XLA's attention"
@@ -304,7 +306,8 @@ def stop_every_host(line: str, forms=(), store: bool = False):
     line += (": every host stops; rerun with SEQ2SEQ_ATTENTION=xla to resume from the last "
              "checkpoint on XLA's attention")
   _tell_the_others(line)
-  raise HostsStopped(line)
+  print(f"error: {line}", file=sys.stderr, flush=True)
+  os._exit(2)
 
 
 def _client():
