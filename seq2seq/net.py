@@ -159,8 +159,8 @@ def _kept(moved: dict, forms, stored) -> str:
     return " (kept for later runs)"
   if stored:
     return f" (kept for later runs: {acc.lengths(stored)})"
-  return (" (not kept for later runs: the error does not name cuDNN, and a probe at this "
-          "form passes)")
+  return (" (not kept for later runs: nothing names cuDNN, and its probe at the run's form "
+          "passes)")
 
 
 # --- evaluation and decoding --------------------------------------------------------------

@@ -218,8 +218,8 @@ def test_a_step_non_finite_on_cudnn_is_redone_on_xla(fake_cudnn, tmp_path, capsy
   netted, params = _train(tmp_path, "netted")
   said = capsys.readouterr().err
   assert said.count("non-finite loss or gradient with cuDNN's attention") == 1, said
-  assert ("moved to XLA's attention and redid the step (not kept for later runs: the error "
-          "does not name cuDNN, and a probe at this form passes)") in said
+  assert ("moved to XLA's attention and redid the step (not kept for later runs: nothing "
+          "names cuDNN, and its probe at the run's form passes)") in said
   assert not any(v["train"]["ok"] for v in acc.verdicts()), acc.verdicts()
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv(acc.ENV, "xla")
