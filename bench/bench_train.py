@@ -37,7 +37,10 @@ Every (preset, dtype) runs in a fresh subprocess, which
      minus the median warm step: tracing + XLA compilation),
   2. runs `--warmup` more steps, then times `--steps` steps (median; tokens/s = non-pad
      target tokens per step / median step time), each step's loss and gradient norm read
-     back (a non-finite one fails the row, as it stops train.py),
+     back (a non-finite one fails the row, as it stops train.py); the first and warm-up
+     steps run under train.py's net (seq2seq/net.py: a step that fails with cuDNN's
+     attention is redone on XLA's, and the row's `redone_on_xla` says so), the timed ones
+     as train.py's after its watched steps,
   3. reads its peak resident memory (VmHWM of /proc/self/status) before anything else,
   4. measures the matmul peak of its dtype: a jitted 2048x2048 @ 2048x2048 dot (--peak_n;
      8192 on a GPU), f32 x f32 -> f32, or bf16 x bf16 -> f32 (preferred_element_type=
@@ -350,6 +353,7 @@ def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "",
   """One (preset, dtype) measurement; meant to run in a fresh process. Its `error` says
   which step had a non-finite loss or gradient norm, if one had."""
   import jax
+  from seq2seq import net
   from seq2seq.kernels import accelerator, malloc
 
   rss_start = _vm_hwm_mb()
@@ -361,17 +365,21 @@ def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "",
   tgt_tokens = [int((b["tgt"] != PAD).sum()) for b in local]
   pad_frac = 1.0 - sum(tgt_tokens) / (len(local) * w["batch"] * w["length"])
 
-  def step(i):
-    nonlocal state
+  redone = []
+
+  def step(i, watch=False):   # the first and warm-up steps under the net, as train.py's first
+    nonlocal state, trainer
     t, c = time.perf_counter(), time.process_time()
-    state, m = trainer.step(state, batches[i % len(batches)])
+    trainer, state, m, said = net.step_with_fallback(trainer, state, batches[i % len(batches)],
+                                                     watch=watch)
     jax.block_until_ready((state, m))
     dt, dc = time.perf_counter() - t, time.process_time() - c
+    redone.extend(said)
     return dt, dc, float(m["loss_sum"]) / max(float(m["tokens"]), 1.0), float(m["grad_norm"])
 
-  first = step(0)
+  first = step(0, watch=True)
   malloc.release_freed_memory()   # as train.py does after compiling
-  warm = [step(1 + i) for i in range(warmup)]
+  warm = [step(1 + i, watch=True) for i in range(warmup)]
   runs = [step(1 + warmup + i) for i in range(steps)]
   bad = [i + 1 for i, r in enumerate([first, *warm, *runs])
          if not (math.isfinite(r[2]) and math.isfinite(r[3]))]
@@ -389,7 +397,7 @@ def run_one(preset: str, dtype: str, steps: int, warmup: int, kernels: str = "",
   sheet = datasheet_bf16_peak(kind) if jax.default_backend() == "gpu" else None
   return dict(
       workload=workload_set, device=kind, kernels=trainer.cfg.model.kernels,
-      attention=accelerator.verdicts(), device_peak_bytes=device_peak,
+      attention=accelerator.verdicts(), redone_on_xla=redone, device_peak_bytes=device_peak,
       datasheet_bf16_flops_per_s=sheet,
       mfu_datasheet=flops / step_s / sheet if sheet else None,
       preset=preset, dtype=dtype, batch=w["batch"], length=w["length"],

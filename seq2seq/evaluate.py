@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from seq2seq import metrics as metrics_lib
+from seq2seq import net
 from seq2seq.config import Config
 from seq2seq.kernels import malloc
 from seq2seq.steps import Trainer, raise_if_out_of_memory
@@ -48,7 +49,8 @@ def _local_eval_batches(ds, split, batch_size, max_examples):
 
 def evaluate_translations(cfg: Config, params, ds, split: str, max_examples: int = 0,
                           strategy=None) -> tuple[dict, list[tuple[str, str, str]]]:
-  """Decodes a split and scores it: BLEU, chrF and exact match. Returns (metrics, samples).
+  """Decodes a split and scores it: BLEU, chrF and exact match. Returns (metrics, samples);
+  metrics["finite_scores"] says whether no hypothesis scored NaN (a failing attention).
 
   A source longer than the model's max_len is cut to it, as the loss's batches cut it, and
   counted in metrics["truncated"]."""
@@ -68,7 +70,8 @@ def evaluate_translations(cfg: Config, params, ds, split: str, max_examples: int
   hyps = [t[0] for t in out.texts]
   m = {"bleu": metrics_lib.bleu(hyps, refs), "chrf": metrics_lib.chrf(hyps, refs),
        "exact_match": metrics_lib.exact_match(hyps, refs), "examples": len(hyps),
-       "truncated": len(out.truncated)}
+       "truncated": len(out.truncated),
+       "finite_scores": not any(math.isnan(s) for row in out.scores for s in row)}
   return m, list(zip(srcs, refs, hyps))
 
 
@@ -82,17 +85,22 @@ def run_eval(trainer: Trainer, cfg: Config, state, ds, split: str, writer, step:
   n = 0 if final else cfg.train.num_eval_examples
   t0 = time.time()
   malloc.release_freed_memory()   # the train steps' kept buffers, before the evaluation's
-  try:
-    m = evaluate_loss(trainer, state.params, ds, split, n)
-    tm, examples = evaluate_translations(cfg, trainer.local_params(state), ds, split, n)
+  try:   # under the net: a cuDNN attention that fails moves to XLA's and is done again
+    m, said = net.netted("evaluation", lambda: evaluate_loss(trainer, state.params, ds, split,
+                                                             n), net.finite_metrics)
+    params = trainer.local_params(state)
+    (tm, examples), more = net.netted(
+        "decoding", lambda: evaluate_translations(cfg, params, ds, split, n),
+        lambda out: out[0]["finite_scores"])
   except jax.errors.JaxRuntimeError as e:   # its batch too large for the device: one line
     raise_if_out_of_memory(e, cfg, trainer.data_parallel, evaluation=True)
     raise
   malloc.release_freed_memory()   # and the evaluation's, before the next train step
+  del tm["finite_scores"]
   m.update(tm, seconds=time.time() - t0)
   writer.write(step, split, m)
   if jax.process_index() == 0:
-    lines = [f"[{split} @ {step}] loss {m['loss']:.3f}  ppl {m['perplexity']:.2f}  "
+    lines = [*said, *more, f"[{split} @ {step}] loss {m['loss']:.3f}  ppl {m['perplexity']:.2f}  "
              f"acc {m['accuracy']:.3f}  "
              f"BLEU {m['bleu']:.1f}  chrF {m['chrf']:.1f}  exact {m['exact_match']:.3f} "
              f"({m['examples']} examples"

@@ -136,7 +136,7 @@ class Trainer:
         abstract, self.state_sharding)
     self.init = jax.jit(lambda rng: init_state(cfg, rng), out_shardings=self.state_sharding)
     # What the train step's trace gave cuDNN's attention (accelerator.Recording; None until
-    # it is traced): the forms `step_with_fallback` watches.
+    # it is traced): the forms the net (seq2seq/net.py) watches.
     self.attention = None
 
     def step(s, b):
@@ -166,107 +166,6 @@ class Trainer:
     """Parameters on this host's first device (for decoding outside the mesh)."""
     rep = jax.jit(lambda p: p, out_shardings=shd.replicated(self.mesh))(state.params)
     return jax.tree_util.tree_map(lambda x: x.addressable_data(0), rep)
-
-
-def step_with_fallback(trainer: Trainer, state: TrainState, batch: dict,
-                       watch: bool = True) -> tuple:
-  """`trainer.step(state, batch)` with the net under cuDNN's attention (unless not
-  `watch`). Returns (trainer, state, m, the lines saying what moved to XLA's attention).
-
-  If the step gave cuDNN's attention any form and it failed with it (a cuDNN call raised
-  while the step was traced, its compile or run raised, or its loss or gradient was
-  non-finite while differentiated calls took cuDNN), those forms move to XLA's attention
-  and a new trainer redoes the step on the same batch. Every host decides alike: the step
-  is compiled everywhere before it runs anywhere, and failures are OR-ed over the hosts. A
-  move is stored for later runs on this machine only once the redo has shown cuDNN was the
-  cause (it compiled and ran; for a non-finite step, it was finite): a run that diverges on
-  XLA's attention too keeps cuDNN. With nothing on cuDNN this is the plain step."""
-  if not watch or accelerator.requested() != "auto":   # (cudnn: its errors surface)
-    state, m = trainer.step(state, batch)
-    return trainer, state, m, []
-  failure = _failed_before_running(trainer, state, batch)
-  if failure is None:
-    try:
-      new, m = trainer.step(state, batch)
-      if trainer.attention.uses:
-        jax.block_until_ready(m)   # (runs out or fails here)
-    except Exception as e:
-      if (jax.process_count() > 1 or _out_of_memory(e)
-          or any(x.is_deleted() for x in jax.tree_util.tree_leaves(state))):
-        raise   # (another host may wait inside the step: no agreement is safe here)
-      failure = (trainer.attention.in_programs(), accelerator.first_line(e), e)
-  if failure is not None:
-    uses, why, error = failure
-    if not uses:
-      raise error
-    step = int(state.step) + 1
-    return _redo(trainer, state, batch, uses, step, nonfinite=False,
-                 line=f"step {step}: cuDNN's attention failed ({why}; query x key lengths "
-                      f"{accelerator.lengths(k for k, _ in uses)})")
-  training = trainer.attention.training()
-  if not training or not accelerator.agree_any([int(m["first_bad_step"]) < NO_STEP])[0]:
-    return trainer, new, m, []
-  step = int(m["first_bad_step"])
-  return _redo(trainer, new.replace(step=new.step - 1), batch,
-               [(k, "train") for k in training], step, nonfinite=True,
-               line=f"step {step}: non-finite loss or gradient with cuDNN's attention "
-                    f"(query x key lengths {accelerator.lengths(training)})")
-
-
-def _failed_before_running(trainer: Trainer, state, batch) -> tuple | None:
-  """Traces and compiles the step if it is not yet (on every host, before any runs it).
-  None if nothing failed on cuDNN on any host; else (the (form, role) pairs to move, why,
-  the error to raise if they were not the cause)."""
-  error = None
-  if trainer.attention is None:
-    try:
-      trainer.step.lower(state, batch).compile()
-    except Exception as e:
-      error = e
-  traced = trainer.attention
-  if traced is None or not traced.uses:   # nothing on cuDNN, anywhere
-    if error is not None:
-      raise error
-    return None
-  failed = accelerator.agree_any([error is not None] + [u in traced.failed for u in traced.uses])
-  if not failed.any():
-    return None
-  if error is not None and _out_of_memory(error):
-    raise error
-  if failed[0]:   # the whole program: any of its cuDNN calls may be why
-    why = accelerator.first_line(error) if error is not None else "on another host"
-    return traced.in_programs(), why, error or RuntimeError(f"the train step failed {why}")
-  uses = [u for u, f in zip(traced.uses, failed[1:]) if f]
-  why = next((traced.failed[u] for u in uses if u in traced.failed), "on another host")
-  return uses, f"{why}, while traced", RuntimeError(why)
-
-
-def _redo(trainer: Trainer, state, batch, uses, step: int, nonfinite: bool, line: str):
-  """The step redone from `state` by a new trainer with `uses` on XLA's attention; the move
-  stored if the redo shows cuDNN was the cause, undone otherwise."""
-  reason = (f"a train step with it was non-finite (step {step})" if nonfinite else
-            f"a train step with it failed (step {step})")
-  moved = accelerator.move_to_xla(uses, reason)
-  try:
-    redo, state, m, said = step_with_fallback(Trainer(trainer.cfg, trainer.mesh,
-                                                      trainer.bos_id), state, batch)
-  except Exception:
-    accelerator.undo(moved)   # it fails without them too: not their doing
-    raise
-  if nonfinite and int(m["first_bad_step"]) < NO_STEP:
-    # The run diverged: not cuDNN's doing. Its verdicts stay as they were; this run, which
-    # stops at its next log, goes on with the redo's trainer (no further redo).
-    accelerator.undo(moved)
-    line += (": non-finite with XLA's attention too on the same batch, so not cuDNN's "
-             "doing (its verdicts kept)")
-    return redo, state, m, [line, *said]
-  accelerator.keep(moved)
-  line += ": moved to XLA's attention and redid the step"
-  return redo, state, m, [line, *said]
-
-
-def _out_of_memory(e: BaseException) -> bool:
-  return "RESOURCE_EXHAUSTED" in str(e)
 
 
 def check_runnable(cfg: Config) -> None:

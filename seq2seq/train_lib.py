@@ -26,8 +26,8 @@ from seq2seq.evaluate import run_eval
 from seq2seq.kernels import malloc
 from seq2seq.lock import WorkdirLock, WorkdirLocked
 from seq2seq.state import schedule
-from seq2seq.steps import (NO_STEP, Trainer, accumulate, check_runnable,
-                           raise_if_out_of_memory, step_with_fallback)
+from seq2seq.net import run_failures, divergence_hint, step_with_fallback
+from seq2seq.steps import NO_STEP, Trainer, accumulate, check_runnable
 from seq2seq.workdir import Workdir
 
 # Importable from here as before the steps and the workdir's preparation moved.
@@ -36,7 +36,7 @@ from seq2seq.state import TrainState, init_state, optimizer  # noqa: E402,F401
 from seq2seq.steps import NO_STEP as _NO_STEP, eval_step, loss_and_metrics, train_step  # noqa
 from seq2seq.workdir import prepare_workdir  # noqa: E402,F401
 
-CUDNN_WATCH_STEPS = 50   # steps checked as they end while on cuDNN (step_with_fallback)
+CUDNN_WATCH_STEPS = 50   # steps checked as they end while on cuDNN (net.step_with_fallback)
 _DEBUG_SIGKILL_AT = int(os.environ.get("SEQ2SEQ_DEBUG_SIGKILL_AT_STEP", "-1"))
 
 
@@ -193,12 +193,10 @@ def train(cfg: Config, workdir: Workdir | str | os.PathLike, *, progress: bool =
       lock.release()
     wd.remove_made(made)
     raise
-  try:
-    return _loop(cfg, wd, ds, trainer, ckpts, state, start, resuming, lock, progress,
-                 on_log, t_start)
-  except jax.errors.JaxRuntimeError as e:   # a batch too large for the device: one line
-    raise_if_out_of_memory(e, cfg, trainer.data_parallel)
-    raise
+  try:   # a failure in one line (out of memory, cuDNN's); on several hosts, all stop
+    with run_failures(cfg, trainer.data_parallel):
+      return _loop(cfg, wd, ds, trainer, ckpts, state, start, resuming, lock, progress,
+                   on_log, t_start)
   finally:
     if lock is not None:
       lock.release()
@@ -286,8 +284,8 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
           bad = int(host["first_bad_update"])
           what = (f"non-finite loss or gradient at step {bad}" if host["first_bad_step"] == bad else
                   f"non-finite parameters after the update of step {bad}")
-          raise NonFiniteLoss(f"{what}: stopped; no checkpoint was written after it (lower "
-                              f"the learning rate?)")
+          raise NonFiniteLoss(f"{what}: stopped; no checkpoint was written after it "
+                              f"({divergence_hint()})")
         now = time.time()
         n = max(host["tokens"], 1.0)
         tokens_since += host["tokens"]

@@ -1,16 +1,22 @@
 """train.py with a cuDNN emulated to fail on some hosts (tests/test_attention_hosts.py):
-XLA's attention whose backward fails as FAKE_CUDNN_FAILURE says:
+XLA's attention whose backward fails as FAKE_CUDNN_FAILURE says, on the processes
+FAKE_CUDNN_FAILS_ON names:
 
-  nan      dq is NaN on every call on the processes FAKE_CUDNN_FAILS_ON names (their probe
-           refuses it) and, on the others, only at the run's batch (more rows than the
-           probe's 3: their probe passes, their train step is non-finite);
-  compile  on the processes FAKE_CUDNN_FAILS_ON names, at the run's batch, the backward is
-           a call the compiler refuses (a kernel it does not have): their probe passes,
-           their train step fails to compile; the others' runs.
+  nan      dq is NaN on every call: their probe refuses it;
+  compile  in the run's programs (not the probe's), the backward is a call the compiler
+           refuses (a kernel it does not have): their probe passes, their train step
+           fails to compile;
+  run      in the run's programs, the backward raises while the step runs (as cuDNN's
+           "CUDNN_STATUS_EXECUTION_FAILED"; one device a process: the others of a failing
+           process would wait in the step's collectives too): their probe passes, their
+           first step fails while the other processes wait for them inside it;
+  late     in the run's programs, the backward times out while the step is traced (a host
+           late to agree): their probe passes, their step never compiles.
 
 Writes this process's attention verdicts to $FAKE_CUDNN_VERDICTS.<process index> when
 train.py is done."""
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -20,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import io_callback  # noqa: E402
 
 from seq2seq.kernels import accelerator as acc  # noqa: E402
 
@@ -29,6 +37,21 @@ FAILURE = os.environ.get("FAKE_CUDNN_FAILURE", "nan")
 
 def _xla(q, k, v, mask):
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def _in_probe() -> bool:
+  frame = sys._getframe()
+  while frame is not None:
+    if frame.f_code.co_name == "_probe" and frame.f_code.co_filename == acc.__file__:
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _check(_):
+  if jax.process_index() in FAILS_ON:
+    raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED: fmha backward (emulated)")
+  return np.bool_(False)
 
 
 @jax.custom_vjp
@@ -42,18 +65,26 @@ def _fwd(q, k, v, mask):
 
 def _bwd(vjp, g):
   dq, dk, dv = vjp(g)
-  here, run = jax.process_index() in FAILS_ON, g.shape[0] > 3
-  if FAILURE == "nan" and (here or run):
+  here, run = jax.process_index() in FAILS_ON, not _in_probe()
+  if FAILURE == "nan" and here:
     dq = dq * jnp.nan
   if FAILURE == "compile" and here and run:
     dq = jax.ffi.ffi_call("__cudnn$fmhaBackwardEmulated",
                           jax.ShapeDtypeStruct(dq.shape, dq.dtype))(dq)
+  if FAILURE == "run" and run:   # (the same program on every process: its collectives alike)
+    failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), dq.reshape(-1)[0],
+                         ordered=False, sharding=jax.sharding.SingleDeviceSharding(
+                             jax.devices()[-1]))   # (run by the last process)
+    dq = jnp.where(failed, jnp.nan, dq).astype(dq.dtype)
+  if FAILURE == "late" and here and run:
+    raise jax.errors.JaxRuntimeError("DEADLINE_EXCEEDED: Barrier timed out (emulated)")
   return dq, dk, dv, None
 
 
 fake_cudnn.defvjp(_fwd, _bwd)
 acc.IMPLEMENTATIONS["cudnn"] = fake_cudnn
 acc.unqualified = lambda q, mask=None: None   # cuDNN takes these inputs (here: the fake)
+logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)   # (the emulated raise)
 
 if __name__ == "__main__":
   import train

@@ -1,13 +1,19 @@
 """What keeps a fused attention kernel from killing a run: no call on the accelerator path
-gets a query with no allowed key, the probe tries each form at its own lengths with padding
-rows and its backward, and a train step that still turns non-finite on cuDNN is redone on
-XLA's attention. cuDNN is emulated on any machine by an implementation made to fail as the
-real one was seen to (NaN gradients for queries with no allowed key at lengths of 64 mod
-128, on an H100)."""
+gets a query with no allowed key, only a GPU that can run it reaches cuDNN, the probe tries
+each form at its own lengths and batch with padding rows, large logits and its backward,
+and checks every real row; a train step that still fails on cuDNN is redone on XLA's
+attention (tests/test_attention_net.py: the rest of the net). cuDNN is emulated on any
+machine by an implementation made to fail as the real one was seen to (NaN gradients for
+queries with no allowed key at lengths of 64 mod 128, on an H100), or, for the net, in the
+run's programs but not in the probe's (`failing_outside_the_probe`)."""
+import ast
 import functools
+import hashlib
 import json
 import re
+import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +51,17 @@ def _failing_cudnn(fails):
     return _nan_where(bad_BxQ, dq), dk, dv, None
   attend.defvjp(fwd, bwd)
   return attend
+
+
+def in_probe() -> bool:
+  """Whether the accelerator's probe is the caller: the stand-ins for a failure the probe
+  cannot see (the run's program fails where the probe's small one passes) fail elsewhere."""
+  frame = sys._getframe()
+  while frame is not None:
+    if frame.f_code.co_name == "_probe" and frame.f_code.co_filename == acc.__file__:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def _as_seen_on_h100(q, mask):
@@ -164,9 +181,10 @@ def test_the_probe_tries_each_form_at_its_own_lengths_with_padding_rows(fake_cud
   assert empty[:2].any(1).all() and empty[:2].sum(1).max() < 64 and empty[2].all()
   assert len(np.unique(m[0, 0], axis=0)) >= 3                # two examples and padding
   assert not m[1, 0][np.triu_indices(64, 1)].any()           # the causal row
-  _, _, _, ms, _ = acc._probe_inputs(jnp.ones((8, 64, 2, 16)), jnp.ones((8, 64, 2, 16)),
-                                     jnp.ones((8, 1, 64, 64), bool))
-  assert np.asarray(ms).any(-1).all()
+  q, k, v, ms, g, real_q, real_k = acc._probe_inputs(("bfloat16", 2, 16, 64, 64, "B"), 8)
+  assert q.shape == (8, 64, 2, 16) and q.dtype == jnp.bfloat16 and ms.shape == (8, 1, 64, 64)
+  assert np.asarray(ms).any(-1).all()                        # opened
+  assert (~real_q).any() and real_q.any(1)[:-1].all() and not real_q[-1].any()
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,14 +210,16 @@ def _train(tmp_path, name, steps=4, **train):
 
 @pytest.mark.slow   # two training runs (~15-25 s on 2 cores)
 def test_a_step_non_finite_on_cudnn_is_redone_on_xla(fake_cudnn, tmp_path, capsys):
-  """A cuDNN whose probe passes (3 rows) but whose gradients are NaN on the run's batches
-  (4 rows): the run says so in one line, moves to XLA's attention, redoes the step and
-  ends with the parameters of a run on XLA's attention from the start."""
-  fake_cudnn(lambda q, mask: jnp.broadcast_to(q.shape[0] > 3, q.shape[:2]))
+  """A cuDNN whose probe passes but whose gradients are NaN in the run's train step: the
+  run says so in one line, moves to XLA's attention, redoes the step and ends with the
+  parameters of a run on XLA's attention from the start. Nothing names cuDNN but the NaN,
+  and the probe at the run's form passes: the move is not stored."""
+  fake_cudnn(lambda q, mask: jnp.broadcast_to(not in_probe(), q.shape[:2]))
   netted, params = _train(tmp_path, "netted")
   said = capsys.readouterr().err
   assert said.count("non-finite loss or gradient with cuDNN's attention") == 1, said
-  assert "moved to XLA's attention and redid the step" in said
+  assert ("moved to XLA's attention and redid the step (not kept for later runs: nothing "
+          "names cuDNN, and its probe at the run's form passes)") in said
   assert not any(v["train"]["ok"] for v in acc.verdicts()), acc.verdicts()
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv(acc.ENV, "xla")
@@ -223,9 +243,9 @@ def test_verdicts_are_kept_for_the_next_run_on_the_same_machine(fake_cudnn, tmp_
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
   monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
-  acc.keep(acc.move_to_xla([(acc._signature(x, x, mask), "train")], "test"))
+  acc.keep(acc.move_to_xla([acc._signature(x, x, mask)], "test"))   # every role
   monkeypatch.setattr(acc, "_VERDICTS", {})
-  assert acc.choose(x, x, mask) == ("cudnn", "xla") and len(probes) == 2
+  assert acc.choose(x, x, mask) == ("xla", "xla") and len(probes) == 2
   monkeypatch.setattr(acc, "_machine", lambda: "another GPU")
   monkeypatch.setattr(acc, "_VERDICTS", {})
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 4
@@ -255,8 +275,8 @@ def test_only_differentiated_calls_are_probed_backward_and_init_chooses_nothing(
   fake_cudnn(lambda q, mask: jnp.zeros(q.shape[:2], bool))
   probes = []
   real_probe = acc._probe
-  monkeypatch.setattr(acc, "_probe", lambda q, k, mask, train: probes.append(
-      (q.shape[1], train)) or real_probe(q, k, mask, train))
+  monkeypatch.setattr(acc, "_probe", lambda key, batch, train: probes.append(
+      (key[3], train)) or real_probe(key, batch, train))
   from seq2seq.state import init_state
   jax.eval_shape(lambda: init_state(_cfg(), jax.random.key(0)))
   assert probes == [] and acc.verdicts() == []
@@ -310,12 +330,12 @@ def test_a_step_non_finite_on_xla_too_leaves_the_verdicts_as_they_were(
       r"kept\)", lines[0]), said
 
 
-def _failing_at_the_run_s_batch(how: str):
-  """XLA's attention that fails at the run's batch (more rows than the probe's 3) as
-  cuDNN's was seen to in JAX's issues: its forward or backward raising while traced, or
-  its backward compiling to a call the compiler refuses (a kernel it does not have)."""
+def _failing_in_the_run(how: str):
+  """XLA's attention that fails in the run's programs (not in the probe's) as cuDNN's was
+  seen to in JAX's issues: its forward or backward raising while traced, or its backward
+  compiling to a call the compiler refuses (a kernel it does not have)."""
   def run_s(x):
-    return x.shape[0] > 3
+    return not in_probe()
 
   @jax.custom_vjp
   def attend(q, k, v, mask):
@@ -349,10 +369,10 @@ def _failing_at_the_run_s_batch(how: str):
                  id="backward-fails-to-compile")])
 def test_a_train_step_failing_on_cudnn_goes_on_with_xla(fake_cudnn, tmp_path, capsys,
                                                         monkeypatch, how, why):
-  """A cuDNN whose probe passes (3 rows) but which fails in the run's train step (4 rows):
-  the run goes on with XLA's attention, says so in one line, and stores the move once the
-  redone step has run."""
-  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _failing_at_the_run_s_batch(how))
+  """A cuDNN whose probe passes but which fails in the run's train step: the run goes on
+  with XLA's attention, says so in one line, and stores the move (a cuDNN call raised, or
+  the compiler's error names it) once the redone step has run."""
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _failing_in_the_run(how))
   stored = _verdicts_kept(tmp_path, monkeypatch)
   with warnings.catch_warnings(record=True):   # the evaluation's calls fall back (forward)
     warnings.simplefilter("always")
@@ -361,7 +381,7 @@ def test_a_train_step_failing_on_cudnn_goes_on_with_xla(fake_cudnn, tmp_path, ca
   lines = [line for line in said.splitlines() if "cuDNN" in line]
   assert len(lines) == 1 and re.fullmatch(
       rf"step 1: cuDNN's attention failed \({why}; query x key lengths [\dx, ]+\): moved to "
-      r"XLA's attention and redid the step", lines[0]), said
+      r"XLA's attention and redid the step \(kept for later runs(: [\dx, ]+)?\)", lines[0]), said
   assert result.step == 4 and np.isfinite(result.train_metrics["loss"])
   (machine,) = stored().values()
   moved = [v for v in machine.values() if not v["train"][0]]
@@ -383,3 +403,152 @@ def test_verdicts_of_another_probe_are_probed_again(fake_cudnn, tmp_path, monkey
   monkeypatch.setattr(acc, "PROBE_VERSION", 2, raising=False)
   monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process, a new probe
   assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 4
+
+
+# --- the probe: each real row, large logits, the run's batch; tied to its version ----------
+
+def _off_in_one_row(q, k, v, mask):
+  """XLA's attention with one query row of one head 25% off: within 2% over the tensor."""
+  return _xla(q, k, v, mask).at[0, 1, 0].multiply(1.25)
+
+
+def _nan_on_large_logits(q, k, v, mask):
+  """XLA's attention, NaN in every query row with a logit past ±40 (the H100's NaN came
+  from a logsumexp past float32's exp range)."""
+  logits = jnp.einsum("bqhd,bkhd->bqhk", q.astype(jnp.float32), k.astype(jnp.float32))
+  large_BxQ = (jnp.abs(logits) / np.sqrt(q.shape[-1]) > 40).any(axis=(2, 3))
+  return _nan_where(large_BxQ, _xla(q, k, v, mask))
+
+
+@pytest.mark.parametrize("fake, forward, says", [
+    (_off_in_one_row, "xla", r"cuDNN's out is off in row 0, position 1, head 0"),
+    (_nan_on_large_logits, "xla", r"cuDNN gave non-finite out"),
+    (_failing_cudnn(lambda q, mask: jnp.broadcast_to(q.shape[0] > 3, q.shape[:2])), "cudnn",
+     r"cuDNN gave non-finite dq")])
+def test_the_probe_checks_every_real_row_large_logits_and_the_run_s_batch(
+    fake_cudnn, monkeypatch, fake, forward, says):
+  """Three cuDNNs the probe of 3 rows of N(0, 1) logits, checked over the whole tensor,
+  passed: one row of the output 25% off (the tensor 1.5% off), NaN where logits are large,
+  NaN gradients at more rows than 3. The probe refuses each, saying why."""
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", fake)
+  x, mask = jnp.ones((8, 64, 2, 16), jnp.bfloat16), jnp.ones((8, 1, 64, 64), bool)
+  assert acc.choose(x, x, mask) == (forward, "xla")
+  (v,) = acc.verdicts()
+  assert re.match(says, v["forward" if forward == "xla" else "train"]["reason"]), v
+
+
+def test_the_probe_passes_cudnn_within_bf16_rounding_of_xla(fake_cudnn, monkeypatch):
+  """XLA's attention with its output and gradients moved by 0.4% (more than bf16's rounding
+  at 1.0, under 2%) passes the probe: the rows' bounds are not XLA's own numbers."""
+  @jax.custom_vjp
+  def close(q, k, v, mask):
+    return (_xla(q, k, v, mask) * 1.004).astype(q.dtype)
+  close.defvjp(lambda q, k, v, mask: (close(q, k, v, mask), jax.vjp(
+      lambda q, k, v: _xla(q, k, v, mask), q, k, v)[1]),
+      lambda vjp, g: tuple(x * 1.004 for x in vjp(g)) + (None,))
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", close)
+  x, mask = jnp.ones((8, 64, 2, 16), jnp.bfloat16), jnp.ones((8, 1, 64, 64), bool)
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn"), acc.verdicts()
+
+
+# The probe's section of kernels/accelerator.py, hashed as Python reads it (no comments or
+# docstrings), for each PROBE_VERSION since: a change to the probe without a new version
+# fails below. With a new version, add its hash here.
+PROBE_HASHES = {3: "adb147ce4b12e10e"}
+
+
+def _probe_section_hash() -> str:
+  text = Path(acc.__file__).read_text()
+  start = text.index("\n# --- the probe")
+  tree = ast.parse(text[start:text.index("\n# ---", start + 1)])
+
+  def canonical(node) -> str:   # fields left empty skipped: the same across Pythons
+    if isinstance(node, list):
+      return "[" + ",".join(map(canonical, node)) + "]"
+    if not isinstance(node, ast.AST):
+      return repr(node)
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+      body = body[1:]   # its docstring
+    fields = [(f, body if f == "body" else getattr(node, f, None)) for f in node._fields]
+    return f"{type(node).__name__}(" + " ".join(
+        f"{f}={canonical(v)}" for f, v in fields if v not in (None, [])) + ")"
+  return hashlib.sha256(canonical(tree).encode()).hexdigest()[:16]
+
+
+def test_the_probe_s_code_changes_only_with_its_version():
+  """The probe (its inputs, tolerances, what it runs and compares) is one section of
+  accelerator.py, and its hash is the one kept for PROBE_VERSION: stored verdicts of another
+  probe are never reused as this one's."""
+  text = Path(acc.__file__).read_text()
+  section = text[text.index("\n# --- the probe"):]
+  section = section[:section.index("\n# ---", 1)]
+  for name in ("_probe", "_probe_inputs", "_probe_mask", "_worst_row", "TOLERANCE"):
+    assert re.search(rf"^(def {name}\(|{name} = )", section, re.M), name
+  assert PROBE_HASHES.get(acc.PROBE_VERSION) == _probe_section_hash(), (
+      f"the probe's code changed: raise PROBE_VERSION and keep {_probe_section_hash()!r} "
+      f"for it in PROBE_HASHES")
+
+
+# --- which devices reach cuDNN at all -----------------------------------------------------
+
+@pytest.mark.parametrize("attributes, refused", [
+    (("gpu", "PJRT C API\ncuda 13000", "9.0"), None),                     # H100, H200
+    (("gpu", "cuda 12080", "8.0"), None),                                 # A100
+    (("gpu", "cuda 12080", "8.6"), None),
+    (("gpu", "cuda 12080", "12.0"), None),
+    (("gpu", "cuda 12080", "7.5"), "compute capability 7.5"),             # T4 (Colab)
+    (("gpu", "cuda 12080", "7.0"), "compute capability 7.0"),             # V100
+    (("gpu", "PJRT C API\nrocm 60300", "gfx942"), "a GPU without CUDA"),  # MI300
+    (("cpu", "cpu", None), "backend cpu"),
+    (("tpu", "PJRT C API\nTPU", None), "backend tpu")])
+def test_only_cuda_gpus_of_compute_capability_8_reach_cudnn(attributes, refused):
+  """The gate decides on what JAX says of a device (platform, platform_version,
+  compute_capability)."""
+  said = acc.cudnn_refusal(*attributes)
+  assert (said is None) if refused is None else said.startswith(refused), said
+
+
+def test_a_refused_device_takes_xla_without_a_probe(monkeypatch):
+  """This machine's device as JAX describes it is read for the gate; a T4's attributes
+  take XLA's attention for every form without probing (its cuDNN graph build would crash
+  the process); an H100's probe and take cuDNN where the probe passes."""
+  platform, _, capability = acc._device_attributes()
+  assert platform == jax.devices()[0].platform
+  assert (capability is not None) == (platform == "gpu")
+  monkeypatch.setattr(acc, "_VERDICTS", {})
+  monkeypatch.setattr(acc, "_verdicts_file", lambda: None)
+  monkeypatch.delenv(acc.ENV, raising=False)
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _xla)   # a cuDNN that would pass
+  probes = []
+  real_probe = acc._probe
+  monkeypatch.setattr(acc, "_probe", lambda *a, **kw: probes.append(a) or real_probe(*a, **kw))
+  x, mask = jnp.ones((4, 32, 2, 16), jnp.bfloat16), jnp.ones((4, 1, 32, 32), bool)
+  monkeypatch.setattr(acc, "_device_attributes", lambda: ("gpu", "cuda 12080", "7.5"))
+  assert acc.choose(x, x, mask) == ("xla", "xla") and probes == [] and acc.verdicts() == []
+  monkeypatch.setattr(acc, "_device_attributes", lambda: ("gpu", "cuda 12080", "9.0"))
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn") and len(probes) == 2
+
+
+@pytest.mark.parametrize("error", [
+    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1073741824 bytes.",
+    "DEADLINE_EXCEEDED: Barrier timed out. Id: seq2seq"])
+def test_a_probe_out_of_memory_or_time_is_no_verdict(fake_cudnn, tmp_path, monkeypatch,
+                                                     error):
+  """A probe that ran out of memory (another process held the GPU) or time says nothing of
+  cuDNN: XLA's attention in this process, nothing stored, and the next process probes
+  again (here, on a cuDNN that then passes)."""
+  stored = _verdicts_kept(tmp_path, monkeypatch)
+
+  def failing(q, k, v, mask):
+    raise jax.errors.JaxRuntimeError(error)
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", failing)
+  x, mask = jnp.ones((4, 32, 2, 16), jnp.bfloat16), jnp.ones((4, 1, 32, 32), bool)
+  assert acc.choose(x, x, mask) == ("xla", "xla")
+  (v,) = acc.verdicts()
+  assert error.split(":")[0] in v["forward"]["reason"], v
+  assert not (tmp_path / "attention_verdicts.json").exists() or not any(stored().values())
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _xla)
+  monkeypatch.setattr(acc, "_VERDICTS", {})                  # a new process
+  assert acc.choose(x, x, mask) == ("cudnn", "cudnn")

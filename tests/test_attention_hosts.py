@@ -1,6 +1,8 @@
 """Several hosts decide alike about cuDNN's attention: two processes (jax.distributed over
 gloo on loopback) whose emulated cuDNN passes its probe on one and fails it on the other
-agree, run the same programs and end as a run on XLA's attention does, without hanging."""
+agree, run the same programs and end as a run on XLA's attention does, without hanging;
+where one fails inside a step the other waits in, both stop within seconds, one line
+each."""
 import json
 import os
 import re
@@ -74,7 +76,8 @@ def _env(devices: int, **extra) -> dict:
 @pytest.mark.parametrize("failure, said", [
     ("nan", None),
     ("compile", r"step 1: cuDNN's attention failed \(on another host; query x key lengths "
-                r"[\dx, ]+\): moved to XLA's attention and redid the step"),
+                r"[\dx, ]+\): moved to XLA's attention and redid the step \(not kept for "
+                r"later runs: .*\)"),
 ])
 def test_hosts_whose_cudnn_disagree_agree_and_do_not_hang(on_xla, tmp_path, failure, said):
   """Process 1's cuDNN fails, process 0's does not: `nan`, process 1's probe refuses cuDNN
@@ -103,3 +106,35 @@ def test_hosts_whose_cudnn_disagree_agree_and_do_not_hang(on_xla, tmp_path, fail
   assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [2, 4]
   for a, b in zip(rows_one, rows_two):   # (bf16: sums split over 4 devices either way)
     assert abs(a["loss"] - b["loss"]) < 1e-3 * a["loss"], (rows_one, rows_two)
+
+
+@pytest.mark.slow   # two training processes that stop at their first step (~15-25 s)
+@pytest.mark.parametrize("failure, says", [
+    ("run", r"step 1: cuDNN's attention failed while the step ran \(JaxRuntimeError: "
+            r"INTERNAL: CpuCallback error calling callback: RuntimeError: "
+            r"CUDNN_STATUS_EXECUTION_FAILED: fmha backward \(emulated\); query x key lengths "
+            r"[\dx, ]+\): every host stops; rerun to resume from the last checkpoint on XLA's "
+            r"attention"),
+    ("late", r"the train step failed: JaxRuntimeError: DEADLINE_EXCEEDED: Barrier timed out "
+             r"\(emulated\)")], ids=["run", "late"])
+def test_one_host_s_failure_stops_every_host_within_seconds(on_xla, tmp_path, failure, says):
+  """Process 1's cuDNN fails inside the first step (`run`: while it runs, on one device a
+  process, process 0 waiting for it in the step's collectives; `late`: a timeout while it
+  is traced, process 0 waiting for the hosts' agreement). Before: process 1 raised a traceback, and process 0 waited
+  until JAX's heartbeat ended it (or for good, in a gather of another size). Now each
+  stops within seconds of the other, exit 2, with one line: process 1 its failure,
+  process 0 that process 1 stopped the run (`late`: that the step timed out on another
+  host, or process 1's line)."""
+  corpus, data_dir, _ = on_xla
+  env = _env(1 if failure == "run" else 2, SEQ2SEQ_DIST_TIMEOUT="60",
+             SEQ2SEQ_HEARTBEAT_TIMEOUT="100", FAKE_CUDNN_FAILURE=failure, FAKE_CUDNN_FAILS_ON="1")
+  outs = run_two_hosts([sys.executable, str(DRIVER), *_args(corpus, tmp_path / "w", data_dir)],
+                       env, check=False)
+  (_, err0, code0, t0), (_, err1, code1, t1) = outs
+  lines = [[line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+           for err in (err0, err1)]
+  assert code1 == 2 and len(lines[1]) == 1 and re.fullmatch(f"error: {says}", lines[1][0]), err1
+  assert code0 == 2 and len(lines[0]) == 1 and re.fullmatch(
+      rf"error: (process 1 stopped the run: {says}|the train step ran out of memory or timed "
+      rf"out on another host)", lines[0][0]), err0
+  assert abs(t0 - t1) < 10, (t0, t1)

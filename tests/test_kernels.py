@@ -305,7 +305,7 @@ def test_attention_implementation_is_chosen_by_the_environment(monkeypatch):
   if jax.default_backend() != "gpu":
     assert acc.choose(q, k, mask) == ("xla", "xla") and not acc.verdicts()
     assert acc.unqualified(q, mask).startswith("backend ")
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(acc, "_device_attributes", lambda: ("gpu", "cuda 12080", "9.0"))  # H100
   assert "dtype float32" in acc.unqualified(q.astype(jnp.float32), mask)
   assert "head size 12" in acc.unqualified(q[..., :12], mask)
   assert acc.unqualified(q, mask) is None

@@ -7,18 +7,25 @@ per machine: the verdicts are kept beside the compile cache (attention_verdicts.
 device, JAX and cuDNN versions and `PROBE_VERSION`), so a later run probes nothing, and a
 later run's first step comes from the compile cache alone.
 
-  cudnn  cuDNN's fused (flash) attention, on an NVIDIA GPU, for bf16/fp16 inputs whose head
-         size is a multiple of 8 (at most 256), when a probe of that form (its own query and
-         key lengths, a small batch of random inputs with padding and packed rows) compiled,
-         ran and matched XLA's attention: relative difference under 2% in the output, and in
-         dq, dk, dv for a call that is differentiated. The boolean mask goes in as an
-         additive bias broadcast to [B or 1, 1, Q, K].
+  cudnn  cuDNN's fused (flash) attention, on an NVIDIA GPU of compute capability 8.0 or more
+         (`cudnn_refusal`), for bf16/fp16 inputs whose head size is a multiple of 8 (at most
+         256), when a probe of that form compiled, ran and matched XLA's attention. The
+         probe runs at the form's own query and key lengths and at the batch of the call
+         that met it first, on random inputs with packed examples, padding, an empty row,
+         and rows whose logits are large (a spread of about ±90, and all near -200); its
+         output and, for a call that is differentiated, dq, dk and dv must be finite, within
+         2% relative L2 of XLA's over the tensor, and in every real row (a query or key of
+         an example) no further from attention computed in float32 than twice XLA's own
+         error plus 5% of the row's size. The boolean mask goes in as an additive bias
+         broadcast to [B or 1, 1, Q, K].
   xla    XLA's attention: everywhere else, and wherever the probe raised or disagreed.
 
-A form's backward is probed only when a differentiated call of it is traced (a train step):
-decoding, evaluation and a model's init never pay for it. A model's init chooses nothing
-(`plain`: XLA's attention; its output is never read). On several hosts every verdict is
-agreed (cuDNN only where every host's passed), so that every host compiles the same program.
+A probe that ran out of memory or timed out says nothing of cuDNN: that form takes XLA's
+attention in this process, and nothing is stored. A form's backward is probed only when a
+differentiated call of it is traced (a train step): decoding, evaluation and a model's init
+never pay for it. A model's init chooses nothing (`plain`: XLA's attention; its output is
+never read). On several hosts every verdict is agreed (cuDNN only where every host's
+passed), so that every host compiles the same program.
 
 No implementation is given a query with no allowed key (a padding position): such a row
 may attend to every key instead (`open_empty_rows`). Nothing reads its output, and a fused
@@ -26,9 +33,9 @@ kernel never meets a softmax over nothing (cuDNN's backward returns NaN for such
 lengths of 64 mod 128 on H100s: its logsumexp of about -1e12 overflows the padded half of
 the last key tile). A cuDNN call that raises while a program is traced gives way to XLA's
 in that program. What a program gave cuDNN is recorded while it is traced (`recording`):
-the training loop's net (steps.step_with_fallback) moves a form whose train step failed
-(non-finite, or raised in its trace, compile or run) to XLA's attention (`move_to_xla`),
-redoes the step, and stores the move only once the redo has shown cuDNN was the cause.
+the net (seq2seq/net.py) moves a form that failed in a program to XLA's attention for every
+role (`move_to_xla`: train step, evaluation and decoding alike, every program traced again)
+and stores the move only where the evidence names cuDNN (`names_cudnn`, `failing_probes`).
 
 A call that is differentiated uses cuDNN only if the probe's backward passed too; its
 plain forward (decoding, evaluation) may use cuDNN when only the forward passed
@@ -45,6 +52,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -57,18 +65,25 @@ from seq2seq.errors import UserError
 
 ENV = "SEQ2SEQ_ATTENTION"
 CHOICES = ("auto", "xla", "cudnn")
-TOLERANCE = 0.02           # relative L2 difference cuDNN vs XLA, bf16/fp16 inputs
 MAX_HEAD_DIM = 256
-# Part of every stored verdict's key: a changed probe (its inputs, tolerance or what it
-# runs) must raise it, so that verdicts of an older probe are probed again, not reused.
-PROBE_VERSION = 2
+MIN_COMPUTE_CAPABILITY = (8, 0)   # cuDNN's fused attention: Ampere and later
+# Part of every stored verdict's key: a changed probe (its inputs, tolerances or what it
+# runs: the section "the probe" below) must raise it, so that verdicts of an older probe
+# are probed again, not reused. tests/test_attention_guard.py holds a hash of that section
+# for each version.
+PROBE_VERSION = 3
 ROLES = ("forward", "train")
 AGREE_TIMEOUT_MS = 600_000   # how long a host waits for the others' verdict on a form
+# What the hosts tell each other after a program failed (`agree`): the same flags, in this
+# order, from every host, whatever each saw.
+AGREED = ("failed", "names_cudnn", "not_a_verdict", "non_finite")
 
 # signature -> {"forward": (ok, reason), "train": (ok, reason)}: the verdicts in use (agreed
 # by every host). "train" is there once a differentiated call of the form was traced.
 _VERDICTS: dict = {}
 _RECORDINGS: list = []     # the recordings open (`recording`), innermost last
+_IN_USE: set = set()       # (form, role) pairs given to cuDNN in a program traced since
+_GENERATION = [0]          # moves so far (`move_to_xla`): programs traced before are stale
 _PLAIN = [0]               # > 0: every call takes XLA's attention and chooses nothing
 _WARNED: set = set()
 # What `_call` runs for each implementation name: jax.nn.dot_product_attention's own.
@@ -101,11 +116,40 @@ def verdicts() -> list[dict]:
           for key, v in _VERDICTS.items()]
 
 
+# --- which devices may run cuDNN's attention at all ------------------------------------------
+
+def cudnn_refusal(platform: str, platform_version: str, compute_capability) -> str | None:
+  """Why a device with these attributes (JAX's: `device.platform`,
+  `device.client.platform_version`, `device.compute_capability`) cannot run cuDNN's fused
+  attention; None: it may (a probe decides). Nothing is probed on a refused device: a GPU
+  below compute capability 8.0 (a T4 is 7.5) or a ROCm one would reach cuDNN's graph build,
+  whose crash ends the process."""
+  if platform != "gpu":
+    return f"backend {platform}"
+  if "cuda" not in (platform_version or "").lower():
+    return f"a GPU without CUDA ({' '.join(str(platform_version).split())[:60]})"
+  try:
+    major, minor = (int(x) for x in str(compute_capability).split(".")[:2])
+  except ValueError:
+    return f"compute capability {compute_capability!r} unknown"
+  if (major, minor) < MIN_COMPUTE_CAPABILITY:
+    return (f"compute capability {major}.{minor} (cuDNN's fused attention needs "
+            f"{'.'.join(map(str, MIN_COMPUTE_CAPABILITY))} or more)")
+  return None
+
+
+def _device_attributes() -> tuple:
+  """(platform, platform_version, compute_capability) of this process's first device."""
+  device = jax.devices()[0]
+  return (device.platform, device.client.platform_version,
+          getattr(device, "compute_capability", None))
+
+
 def unqualified(q_BxQxHxD, mask=None) -> str | None:
   """Why cuDNN cannot take these inputs at all (None: it may; a probe decides)."""
-  backend = jax.default_backend()
-  if backend != "gpu":
-    return f"backend {backend}"
+  refusal = cudnn_refusal(*_device_attributes())
+  if refusal is not None:
+    return refusal
   dtype = jnp.dtype(q_BxQxHxD.dtype)
   if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {dtype.name} (cuDNN takes bfloat16 and float16)"
@@ -149,6 +193,44 @@ def lengths(forms) -> str:
   return ", ".join(dict.fromkeys(f"{key[3]}x{key[4]}" for key in forms))
 
 
+def first_line(e: BaseException) -> str:
+  """"Type: the error's first line" (with the last line of a Python traceback it holds)."""
+  lines = [line for line in _said(e).strip().splitlines() if line.strip()] or [""]
+  head, traceback = lines[0], "Traceback (most recent call last):"
+  if head.endswith(traceback) and len(lines) > 1:
+    head = f"{head[:-len(traceback)].rstrip(': ')}: {lines[-1].strip()}"
+  return f"{type(e).__name__}: {head[:300]}"
+
+
+def _said(e: BaseException) -> str:
+  """An error's text without the frames of a Python traceback in it (their file and
+  function names are the caller's, not what failed)."""
+  return "\n".join(line for line in str(e)[:20_000].splitlines()
+                   if not re.match(r'\s*File "', line))
+
+
+def names_cudnn(e: BaseException) -> bool:
+  """Whether an error's text names cuDNN or its fused attention (the evidence a move is
+  stored on)."""
+  return re.search(r"cudnn|fmha", _said(e), re.IGNORECASE) is not None
+
+
+def not_a_verdict(e: BaseException) -> bool:
+  """Whether an error says nothing of cuDNN: out of memory (another process may hold the
+  device) or a timeout (another host may be late)."""
+  return re.search(r"RESOURCE_EXHAUSTED|out of memory|DEADLINE_EXCEEDED|timed out",
+                   _said(e), re.IGNORECASE) is not None
+
+
+# --- the probe: tests/test_attention_guard.py holds a hash of this section for each
+# PROBE_VERSION, so that a change here without a new version fails there -------------------
+
+TOLERANCE = 0.02        # relative L2 difference cuDNN vs XLA over a tensor, bf16/fp16 inputs
+ROW_TOLERANCE = 0.05    # a real row's error past twice XLA's, in parts of the row's size
+WIDE_LOGITS = 30.0      # the logits' standard deviation in a third of the (row, head)s
+SHIFTED_LOGITS = -200.0  # their mean in another third
+
+
 def _probe_mask(rows: int, q_len: int, k_len: int, rng) -> np.ndarray:
   """[rows, 1, Q, K] masks of the forms the model makes at these lengths, before
   `open_empty_rows`: each row's tokens packed as examples with padding after them (real
@@ -167,61 +249,89 @@ def _probe_mask(rows: int, q_len: int, k_len: int, rng) -> np.ndarray:
   return m
 
 
-def _probe_inputs(q, k, mask, seed: int = 0):
-  """Random inputs of the same form as (q, k, mask): its lengths, head size and dtype, a
-  batch of 3 rows (1 for a mask shared by every row), masks as `_probe_mask` makes them,
-  opened as every call's are."""
+def _probe_inputs(key: tuple, batch: int, seed: int = 0):
+  """Random inputs of form `key` (a signature) on `batch` rows: q, k, v [B, L, H, D] in its
+  dtype, its mask as `_probe_mask` makes them (shared by every row: causal) opened as every
+  call's is, a cotangent g like q, and which queries [B, Q] and keys [B, K] are real (of an
+  example). The (row, head)s take turns: logits about N(0, 1), logits of standard deviation
+  WIDE_LOGITS, logits near SHIFTED_LOGITS (a direction added to q and taken from k)."""
+  dtype, heads, d, q_len, k_len, mask_batch = key
   rng = np.random.default_rng(seed)
-  b = 3 if mask is not None and mask.shape[0] > 1 else 1
-  dtype = q.dtype
-  qs = jnp.asarray(rng.normal(size=(b,) + q.shape[1:]), dtype)
-  ks, vs = (jnp.asarray(rng.normal(size=(b,) + k.shape[1:]), dtype) for _ in range(2))
-  ms = None
-  if mask is not None:
-    q_len, k_len = mask.shape[2], k.shape[1]
-    if mask.shape[0] == 1:     # shared by every row: the causal mask (or none)
-      m = np.tri(q_len, k_len, k_len - q_len, dtype=bool)[None, None]
-    else:
-      m = _probe_mask(b, q_len, k_len, rng)
-    ms = open_empty_rows(jnp.asarray(m))
-  g = jnp.asarray(rng.normal(size=qs.shape), dtype)
-  return qs, ks, vs, ms, g
+  q, g = (rng.normal(size=(batch, q_len, heads, d)) for _ in range(2))
+  k, v = (rng.normal(size=(batch, k_len, heads, d)) for _ in range(2))
+  turn = ((np.arange(batch)[:, None] * heads + np.arange(heads)) % 3)[:, None, :, None]
+  wide = np.where(turn == 1, np.sqrt(WIDE_LOGITS), 1.0)
+  u = rng.normal(size=(batch, 1, heads, d))
+  u *= np.where(turn == 2, np.sqrt(-SHIFTED_LOGITS * np.sqrt(d)), 0.0) / np.linalg.norm(
+      u, axis=-1, keepdims=True)
+  q, k = q * wide + u, k * wide - u
+  m = None
+  if mask_batch == "1":     # shared by every row: the causal mask
+    m = np.tri(q_len, k_len, k_len - q_len, dtype=bool)[None, None]
+  elif mask_batch == "B":
+    m = _probe_mask(batch, q_len, k_len, rng)
+  real_q = np.ones((batch, q_len), bool) if m is None else np.broadcast_to(
+      m.any(-1)[:, 0], (batch, q_len))
+  real_k = np.ones((batch, k_len), bool) if m is None else np.broadcast_to(
+      m.any(-2)[:, 0], (batch, k_len))
+  mask = None if m is None else open_empty_rows(jnp.asarray(m))
+  q, k, v, g = (jnp.asarray(x, dtype) for x in (q, k, v, g))
+  return q, k, v, mask, g, real_q, real_k
 
 
 def _relative_difference(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def first_line(e: BaseException) -> str:
-  return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+def _worst_row(got, want, exact, real_BxL) -> tuple[float, str]:
+  """The real row (one head's D values at a real query or key) where cuDNN's error from
+  attention in float32 most exceeds twice XLA's plus ROW_TOLERANCE of the row's size (its
+  largest value, at least the tensor's RMS): (that excess, which row). Within: <= 0."""
+  err_cudnn, err_xla = (np.abs(x - exact).max(-1) for x in (got, want))   # [B, L, H]
+  size = np.maximum(np.abs(exact).max(-1), max(np.sqrt(np.mean(np.square(exact))), 1e-30))
+  excess = np.where(real_BxL[:, :, None], (err_cudnn - 2 * err_xla) / size - ROW_TOLERANCE,
+                    -np.inf)
+  i = np.unravel_index(np.argmax(excess), excess.shape)
+  return float(excess[i]), (f"row {i[0]}, position {i[1]}, head {i[2]}: "
+                            f"{err_cudnn[i] / size[i]:.3g} of its size from float32, "
+                            f"XLA's {err_xla[i] / size[i]:.3g}")
 
 
-def _probe(q, k, mask, train: bool) -> tuple[bool, str]:
-  """(cuDNN ran and matched XLA, what was seen) for inputs of this form."""
+def _probe(key: tuple, batch: int, train: bool) -> tuple[bool, str, bool]:
+  """(cuDNN ran and matched XLA, what was seen, whether that is a verdict on cuDNN: an
+  out-of-memory or a timeout is not) for calls of form `key` on `batch` rows."""
   try:
     with jax.ensure_compile_time_eval():
-      qs, ks, vs, ms, g = _probe_inputs(q, k, mask)
+      q, k, v, mask, g, real_q, real_k = _probe_inputs(key, batch)
 
-      def run(implementation):
+      def run(implementation, dtype=None):
+        q_, k_, v_, g_ = (x if dtype is None else x.astype(dtype) for x in (q, k, v, g))
         if not train:
-          return (jax.jit(functools.partial(_call, implementation))(qs, ks, vs, ms),)
+          return (jax.jit(functools.partial(_call, implementation))(q_, k_, v_, mask),)
         f = lambda q, k, v, m, g: jax.vjp(
             lambda q, k, v: _call(implementation, q, k, v, m), q, k, v)[1](g)
-        return jax.jit(f)(qs, ks, vs, ms, g)
+        return jax.jit(f)(q_, k_, v_, mask, g_)
 
-      got, want = run("cudnn"), run("xla")
+      got, want, exact = run("cudnn"), run("xla"), run("xla", jnp.float32)
+      names, rows = (("dq", "dk", "dv"), (real_q, real_k, real_k)) if train else (
+          ("out",), (real_q,))
       worst = 0.0
-      for name, a, b in zip(("out",) if not train else ("dq", "dk", "dv"), got, want):
-        if not np.isfinite(np.asarray(a, np.float32)).all():
-          return False, f"cuDNN gave non-finite {name}"
+      for name, a, b, e, real in zip(names, got, want, exact, rows):
+        a, b, e = (np.asarray(x, np.float64) for x in (a, b, e))
+        if not np.isfinite(a).all():
+          return False, f"cuDNN gave non-finite {name}", True
         worst = max(worst, _relative_difference(a, b))
         if worst > TOLERANCE:
-          return False, f"cuDNN differs from XLA: {name} {worst:.3g} relative"
-      return True, f"matched XLA ({worst:.2g} relative)"
+          return False, f"cuDNN differs from XLA: {name} {worst:.3g} relative", True
+        excess, where = _worst_row(a, b, e, real)
+        if excess > 0:
+          return False, f"cuDNN's {name} is off in {where}", True
+      return True, f"matched XLA on {batch} rows ({worst:.2g} relative)", True
   except Exception as e:   # noqa: BLE001 - whatever cuDNN or its lowering raised
-    return False, first_line(e)
+    return False, first_line(e), not not_a_verdict(e)
 
+
+# --- choosing --------------------------------------------------------------------------------
 
 def _agreed(key: tuple, role: str, verdict: tuple[bool, str]) -> tuple[bool, str]:
   """`verdict` if every host's passed too, else refused, saying where. Called while a
@@ -246,16 +356,19 @@ def _agreed(key: tuple, role: str, verdict: tuple[bool, str]) -> tuple[bool, str
 def _choose(key: tuple, role: str, q, k, mask) -> str:
   """The implementation of `role` ("forward" or "train") for calls of form `key`: the
   agreed verdict of the stored or probed one (a differentiated call's only once its forward
-  passed)."""
+  passed). A probe that is no verdict (out of memory, a timeout) holds in this process
+  only."""
   v = _VERDICTS.setdefault(key, {})
   if role not in v:
     local = _stored().get(_key_text(key), {}).get(role)
     if local is None:
       if role == "train" and not v["forward"][0]:
         local = (False, "forward failed")
+        _store(key, {role: local})
       else:
-        local = _probe(q, k, mask, train=role == "train")
-      _store(key, {role: local})
+        *local, verdict = _probe(key, q.shape[0], train=role == "train")
+        if verdict:
+          _store(key, {role: local})
     v[role] = _agreed(key, role, tuple(local))
   return "cudnn" if v[role][0] else "xla"
 
@@ -288,31 +401,32 @@ def plain():
     _PLAIN[0] -= 1
 
 
-# --- what a program gave cuDNN, and moving forms to XLA ----------------------------------
+# --- what a program gave cuDNN, moving forms to XLA, the evidence ----------------------------
 
 @dataclasses.dataclass
 class Recording:
   """What the programs traced inside `recording()` gave cuDNN (SEQ2SEQ_ATTENTION=auto):
-  `uses`, the (form, role) pairs in the order first traced (the same on every host), and
-  `failed`, those whose cuDNN call raised while traced (their call took XLA's): (form,
-  role) -> the error's first line."""
+  `uses`, the (form, role) pairs in the order first traced (the same on every host);
+  `rows`, each form's batch (its first call's); `failed`, those whose cuDNN call raised
+  while traced (their call took XLA's): (form, role) -> the error's first line; and the
+  `generation` of verdicts they were traced with."""
   uses: list = dataclasses.field(default_factory=list)
+  rows: dict = dataclasses.field(default_factory=dict)
   failed: dict = dataclasses.field(default_factory=dict)
+  generation: int = dataclasses.field(default_factory=lambda: _GENERATION[0])
 
-  def use(self, key: tuple, role: str) -> None:
+  def use(self, key: tuple, role: str, rows: int) -> None:
     if (key, role) not in self.uses:
       self.uses.append((key, role))
+    self.rows.setdefault(key, rows)
+
+  def forms(self) -> list[tuple]:
+    """Every form the programs gave cuDNN, once, in order."""
+    return list(dict.fromkeys(key for key, _ in self.uses))
 
   def training(self) -> list[tuple]:
     """The forms whose differentiated calls took cuDNN."""
     return [key for key, role in self.uses if role == "train"]
-
-  def in_programs(self) -> list[tuple]:
-    """The (form, role) pairs whose cuDNN calls the programs hold: differentiated calls,
-    and plain forward calls of forms never differentiated (a differentiated call's plain
-    forward, traced inside a loop's body before its derivative was taken, is not run)."""
-    training = set(self.training())
-    return [(key, role) for key, role in self.uses if role == "train" or key not in training]
 
 
 @contextlib.contextmanager
@@ -326,9 +440,21 @@ def recording():
     _RECORDINGS.remove(r)
 
 
-def _use(key: tuple, role: str) -> None:
+def _use(key: tuple, role: str, rows: int) -> None:
+  _IN_USE.add((key, role))
   for r in _RECORDINGS:
-    r.use(key, role)
+    r.use(key, role, rows)
+
+
+def generation() -> int:
+  """How many moves this process made: a program traced before the last one is stale."""
+  return _GENERATION[0]
+
+
+def in_use(role: str | None = None) -> list[tuple]:
+  """The forms this process's programs give cuDNN (for `role`, else any): those traced
+  since the last move."""
+  return list(dict.fromkeys(key for key, r in _IN_USE if role in (None, r)))
 
 
 def _attempt(key: tuple, role: str, q, k, v, mask):
@@ -336,10 +462,12 @@ def _attempt(key: tuple, role: str, q, k, v, mask):
   failure recorded (or, outside any recording, warned of once)."""
   if requested() != "auto":   # cudnn: its errors surface
     return _call("cudnn", q, k, v, mask)
-  _use(key, role)
+  _use(key, role, q.shape[0])
   try:
     return _call("cudnn", q, k, v, mask)
   except Exception as e:   # noqa: BLE001 - whatever cuDNN or its lowering raised
+    if not_a_verdict(e):   # (a timeout agreeing between hosts): the trace fails
+      raise
     for r in _RECORDINGS:
       r.failed.setdefault((key, role), first_line(e))
     if not _RECORDINGS and (key, role) not in _WARNED:
@@ -349,41 +477,63 @@ def _attempt(key: tuple, role: str, q, k, v, mask):
     return _call("xla", q, k, v, mask)
 
 
-def move_to_xla(uses, reason: str) -> dict:
-  """Every (form, role) of `uses` takes XLA's attention from the next trace on, in this
-  process only (nothing is stored: `keep` stores, `undo` reverts). Returns what they were."""
+def move_to_xla(forms, reason: str) -> dict:
+  """Every role of each form takes XLA's attention in this process (nothing is stored:
+  `keep` stores, `undo` reverts), in every program: JAX's caches are cleared, so the
+  train step, the evaluation and decoding are traced again. Returns what they were."""
   before = {}
-  for key, role in uses:
-    if key in _VERDICTS and role not in before.get(key, {}):
-      before.setdefault(key, {})[role] = _VERDICTS[key].get(role)
-      _VERDICTS[key] = dict(_VERDICTS[key], **{role: (False, reason)})
+  for key in dict.fromkeys(forms):
+    before[key] = dict(_VERDICTS.get(key, {}))
+    _VERDICTS[key] = {role: (False, reason) for role in ROLES}
+  _IN_USE.difference_update({(key, role) for key in before for role in ROLES})
+  _GENERATION[0] += 1
+  jax.clear_caches()
   return before
 
 
-def keep(moved: dict) -> None:
-  """Stores the moves `move_to_xla` returned (the redo showed cuDNN was the cause)."""
-  for key, roles in moved.items():
-    _store(key, {role: _VERDICTS[key][role] for role in roles})
+def keep(moved: dict, forms=None) -> None:
+  """Stores the moves `move_to_xla` returned (of `forms` only, if given): the evidence
+  names cuDNN."""
+  for key in moved:
+    if forms is None or key in forms:
+      _store(key, _VERDICTS[key])
 
 
 def undo(moved: dict) -> None:
-  """Reverts the moves `move_to_xla` returned (the redo showed cuDNN was not the cause)."""
-  for key, roles in moved.items():
-    for role, verdict in roles.items():
-      if verdict is None:
-        _VERDICTS[key].pop(role, None)
-      else:
-        _VERDICTS[key][role] = verdict
+  """Reverts the moves `move_to_xla` returned (cuDNN was not the cause)."""
+  for key, verdicts in moved.items():
+    if verdicts:
+      _VERDICTS[key] = verdicts
+    else:
+      _VERDICTS.pop(key, None)
 
 
-def agree_any(flags) -> np.ndarray:
-  """`flags` (booleans, the same number on every host) OR-ed over the hosts."""
-  flags = np.asarray(flags, bool)
-  if jax.process_count() == 1:
-    return flags
-  from jax.experimental import multihost_utils
-  every = np.asarray(multihost_utils.process_allgather(flags.astype(np.int32)))
-  return every.reshape(-1, flags.size).any(0)
+def failing_probes(traced: Recording, forms) -> list[tuple]:
+  """The forms whose probe fails at the run's own form (its batch, each role it was traced
+  in), probed again whatever is stored: the evidence for a failure whose error does not
+  name cuDNN. An out-of-memory or a timeout fails no probe."""
+  bad = []
+  for key in forms:
+    roles = [role for k, role in traced.uses if k == key]
+    if any(not ok and verdict for ok, _, verdict in
+           (_probe(key, traced.rows[key], train=role == "train") for role in roles)):
+      bad.append(key)
+  return bad
+
+
+def agree(**flags: bool) -> dict:
+  """`flags` (names from AGREED) OR-ed over the hosts. Every host sends the same vector,
+  AGREED's flags in order, whatever it saw, so that no host waits in a gather of another
+  size."""
+  unknown = set(flags) - set(AGREED)
+  if unknown:
+    raise ValueError(f"not agreed on: {sorted(unknown)}")
+  vector = np.array([bool(flags.get(name)) for name in AGREED], np.int32)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    every = np.asarray(multihost_utils.process_allgather(vector))
+    vector = every.reshape(-1, len(AGREED)).any(0)
+  return {name: bool(x) for name, x in zip(AGREED, vector)}
 
 
 # --- verdicts kept beside the compile cache: a later run on this machine probes nothing -----
