@@ -272,6 +272,11 @@ def test_pytest_results_and_the_closing_lines_are_parsed(tmp_path):
   assert summary == dict(step=4000, train_s=212,
                          validation=dict(loss=2.101, bleu_greedy=24.5, chrf=50.1),
                          test=dict(loss=2.2, bleu_greedy=23.0, chrf=49.0))
+  moved = ["step 3: cuDNN's attention failed while the step ran (X; query x key lengths 64x64)",
+           "evaluation: cuDNN's attention failed (Y; query x key lengths 64x64)",
+           "decoding: cuDNN's attention failed (Z; query x key lengths 1x64)"]
+  assert gpu_run._train_summary("\n".join(["first step in 9.5 s", *moved, "step 4: ok"]),
+                                0) == dict(first_step_s=9.5, redone_on_xla=moved)
   hyp = tmp_path / "h"
   hyp.write_text("a\nb\n")
   assert gpu_run._bleu("BLEU 26.41, chrF 52.10, exact match 1.2% against f", hyp) == \

@@ -715,8 +715,8 @@ def _train_summary(text: str, rc: int) -> dict:
   m = re.search(r"^first step in ([\d.]+) s", text, re.M)
   if m:
     out["first_step_s"] = float(m[1])
-  redone = re.findall(r"^step \d+: (?:non-finite loss or gradient with )?cuDNN's attention.*$",
-                      text, re.M)
+  redone = re.findall(r"^(?:step \d+|evaluation\S*|decoding\S*): (?:non-finite loss or "
+                      r"gradient with )?cuDNN's attention.*$", text, re.M)
   if redone:
     out["redone_on_xla"] = redone
   m = re.search(r"trained to step (\d+) in (\d+) s", text)
