@@ -315,6 +315,24 @@ def compile_programs(cfg, target: Target, programs=PROGRAMS, progress=None) -> l
   return results
 
 
+def cudnn_takes(cfg) -> str | None:
+  """Why cuDNN's attention cannot take this model's calls at all (None: it may), as the
+  attention's net decides it before any probe (kernels/accelerator.py, `unqualified`)."""
+  from seq2seq.kernels import accelerator
+  m = cfg.model
+  if m.dtype not in ("bfloat16", "float16"):
+    return f"dtype {m.dtype} (cuDNN takes bfloat16 and float16)"
+  if m.head_dim % 8 or m.head_dim > accelerator.MAX_HEAD_DIM:
+    return f"head size {m.head_dim} (cuDNN takes multiples of 8 up to {accelerator.MAX_HEAD_DIM})"
+  return None
+
+
+def default_attention(cfg, target: str) -> str:
+  """cuDNN on a GPU wherever it may take the calls (what the net keeps when every probe
+  passes); XLA's attention elsewhere."""
+  return "cudnn" if target in GPU_TARGETS and cudnn_takes(cfg) is None else "xla"
+
+
 def run_config(cfg, attention: str):
   """`cfg` as a run on the target runs it: the accelerator kernels (what `auto` is on a GPU
   or TPU), the vocabulary the data's tokenizer is built to (data.vocab_size)."""
@@ -325,6 +343,14 @@ def run_config(cfg, attention: str):
 
 # --- the batch that fits --------------------------------------------------------------------
 
+def state_bytes(cfg, devices) -> int:
+  """The bytes of the training state each device holds."""
+  from seq2seq import sharding as shd
+  from seq2seq.steps import Trainer
+  return per_device_bytes(Trainer(cfg, shd.make_mesh(cfg.train.mesh_shape, devices))
+                          .abstract_state)
+
+
 def train_peak(cfg, devices, batch_size: int) -> int:
   """The train step's planned peak per device at `batch_size` rows."""
   c = cfg.replace(train=cfg.train.replace(batch_size=batch_size))
@@ -332,21 +358,18 @@ def train_peak(cfg, devices, batch_size: int) -> int:
   return peak_bytes(lowered.compile())
 
 
-def largest_fitting_batch(cfg, devices, usable: int, peak_at_batch: int) -> int | None:
-  """The largest batch (a multiple of the devices and micro-batches, of 64 of them from 128
-  on) whose train step XLA plans within `usable` bytes per device, from the peak at
-  train.batch_size and at a quarter of it (the peak grows about linearly with the rows),
-  checked by compiling it and stepped down until one fits. None: not even the smallest
-  such batch fits."""
+def fitting_batch(cfg, devices, usable: int, peak_at_batch: int, fixed: int) -> int | None:
+  """A batch (a multiple of the devices and micro-batches, of 64 of them from 128 on) whose
+  train step XLA plans within `usable` bytes per device: the peak at train.batch_size less
+  the `fixed` bytes (the state, the same at any batch) grows about in proportion to the
+  rows; the batch so estimated is compiled to check it, and stepped down until one fits.
+  None: not even the smallest such batch fits."""
   t = cfg.train
   unit = len(devices) * t.grad_accum_steps
-  b1 = t.batch_size
-  b0 = max(unit, (b1 // 4) // unit * unit)
-  p0 = train_peak(cfg, devices, b0) if b0 != b1 else peak_at_batch
-  per_row = max((peak_at_batch - p0) / max(b1 - b0, 1), 1.0)
-  batch = _round_batch(min(int((usable - p0) / per_row) + b0, b1 - unit), unit)
+  per_row = max((peak_at_batch - fixed) / t.batch_size, 1.0)
+  batch = _round_batch(min(int((usable - fixed) / per_row), t.batch_size - unit), unit)
   for _ in range(6):
-    peak = p0 if batch == b0 else train_peak(cfg, devices, batch)
+    peak = train_peak(cfg, devices, batch)
     if peak <= usable:
       return batch
     if batch == unit:
@@ -362,7 +385,7 @@ def _round_batch(rows: int, unit: int) -> int:
 
 def memory_line(cfg, devices, usable: int, kind: str, peak: int | None = None) -> tuple[bool, str]:
   """(fits, one line): the train step's planned peak at train.batch_size beside the `usable`
-  bytes of each `kind` device, and where it does not fit, the largest batch that does."""
+  bytes of each `kind` device, and where it does not fit, a batch that does."""
   t = cfg.train
   if peak is None:
     peak = train_peak(cfg, devices, t.batch_size)
@@ -371,7 +394,7 @@ def memory_line(cfg, devices, usable: int, kind: str, peak: int | None = None) -
           f"use on each of {len(devices)} {kind}")
   if peak <= usable:
     return True, f"fits: {what}"
-  fit = largest_fitting_batch(cfg, devices, usable, peak)
+  fit = fitting_batch(cfg, devices, usable, peak, state_bytes(cfg, devices))
   advice = (f"a batch of {fit} rows fits (--config.train.batch_size={fit}, or raise "
             f"--config.train.grad_accum_steps to keep {t.batch_size})" if fit else
             "no batch fits: a smaller model or more devices (--config.train.fsdp)")
@@ -405,7 +428,7 @@ def check_memory(cfg, target: str = "here", memory_fraction: float | None = None
     _check_batch(cfg, int(count or 1))
     use_compile_only_backends()
     t = make_target(name, int(count or 1), memory_fraction)
-    cfg = run_config(cfg, "cudnn" if name in GPU_TARGETS else "xla")
+    cfg = run_config(cfg, default_attention(cfg, name))
     devices, usable, kind = t.devices, t.usable, t.kind
   shd.parse_mesh_shape(cfg.train.mesh_shape, len(devices))
   return memory_line(cfg, devices, usable, kind)
@@ -461,12 +484,13 @@ def parse_args(argv):
   p.add_argument("--programs", default=",".join(PROGRAMS),
                  help="which to compile, of " + ",".join(PROGRAMS) + " (default: all)")
   p.add_argument("--attention", default=None, choices=("cudnn", "xla"),
-                 help="who computes attention (default: cudnn on a GPU, xla on a TPU)")
+                 help="who computes attention (default: cudnn on a GPU where it takes the "
+                      "model's dtype and head size, xla elsewhere)")
   p.add_argument("--memory_fraction", type=float, default=None,
                  help="the share of a device's memory a program may use (default: 0.75 on a "
                       "GPU, JAX's, or XLA_PYTHON_CLIENT_MEM_FRACTION; 1 on a TPU)")
   p.add_argument("--check_memory", action="store_true",
-                 help="if the train step does not fit, also find the largest batch that does")
+                 help="if the train step does not fit, also find a batch that does")
   p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
   args, rest = p.parse_known_args(argv)
   overrides = []
@@ -489,15 +513,18 @@ def main(argv=None) -> int:
     check_devices(args.target, args.devices)
     if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
       raise UserError(f"--memory_fraction must be in (0, 1], got {args.memory_fraction}")
-    attention = args.attention or ("cudnn" if args.target in GPU_TARGETS else "xla")
-    if attention == "cudnn" and args.target not in GPU_TARGETS:
+    if args.attention == "cudnn" and args.target not in GPU_TARGETS:
       raise UserError(f"--attention cudnn: cuDNN is NVIDIA's; {args.target} is a TPU")
     from seq2seq import config as config_lib
     if args.config not in config_lib.EXPERIMENTS:
       raise UserError(f"unknown config {args.config!r}; choose one of "
                       f"{', '.join(config_lib.EXPERIMENTS)}")
-    cfg = run_config(config_lib.override(config_lib.get_experiment(args.config), overrides),
-                     attention)
+    cfg = config_lib.override(config_lib.get_experiment(args.config), overrides)
+    if args.attention == "cudnn" and cudnn_takes(cfg):
+      raise UserError(f"--attention cudnn: cuDNN cannot take this model's attention: "
+                      f"{cudnn_takes(cfg)}")
+    attention = args.attention or default_attention(cfg, args.target)
+    cfg = run_config(cfg, attention)
     _check_batch(cfg, args.devices)
     use_compile_only_backends()
     target = make_target(args.target, args.devices, args.memory_fraction)

@@ -65,30 +65,33 @@ def attention_operands(cfg, rows: int, q_len: int, k_len: int) -> tuple:
   return t(q_len), t(k_len), f"{rows}x1x{q_len}x{k_len}xbf16"
 
 
-@pytest.mark.slow
-@pytest.mark.aot
-def test_bible_gpu_programs_compile_for_an_h100_with_cudnn_attention(tmp_path, gpu_wheels):
-  """Every program of the bible_gpu run, for an H100: it fits, and every attention of the
-  train step reaches cuDNN in the form the model makes, forward and backward, and stays
-  there through XLA's optimization."""
-  p, res = aot(tmp_path, "--target", "h100", "--config", "bible_gpu")
-  assert p.returncode == 0, p.stderr[-3000:]
-  cfg = config_lib.get_experiment("bible_gpu")
-  t = cfg.train
+def check_programs(res, usable: int, attention: str = "cudnn") -> dict:
+  """The command's results by program, each compiled within the memory it may use, its
+  cuDNN calls all bf16."""
   programs = {r["program"]: r for r in res["programs"]}
-  assert list(programs) == ["train", "eval", "greedy", "beam"]
-  assert res["kind"] == "NVIDIA H100 80GB HBM3" and res["attention"] == "cudnn"
-  usable = usable_bytes("h100_sxm.txtpb")
-  assert res["usable"] == usable
+  assert res["attention"] == attention and res["usable"] == usable
   for r in programs.values():
     assert r["fits"] and 0 < r["peak"] + r["beside"] <= usable, r["program"]
     assert r["ops"] > 500
     assert all(c["operands"][0].endswith("bf16") for c in r["lowered_fmha"])
+  return programs
 
-  # The train step: the model's three attentions (encoder self, decoder self, decoder
-  # cross; one layer of each stack is traced, the others are its scan), each forward and
-  # backward, every one on cuDNN, with a bias of one mask per packed row.
-  train = programs["train"]
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_bible_gpu_train_step_compiles_for_an_h100_with_every_attention_on_cudnn(
+    tmp_path, gpu_wheels):
+  """bible_gpu's train step, for an H100: it fits, and every attention reaches cuDNN in the
+  form the model makes, forward and backward, and stays there through XLA's optimization."""
+  p, res = aot(tmp_path, "--target", "h100", "--config", "bible_gpu", "--programs", "train")
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert res["kind"] == "NVIDIA H100 80GB HBM3"
+  cfg = config_lib.get_experiment("bible_gpu")
+  t = cfg.train
+  (train,) = check_programs(res, usable_bytes("h100_sxm.txtpb")).values()
+  # The model's three attentions (encoder self, decoder self, decoder cross; one layer of
+  # each stack is traced, the others are its scan), each forward and backward, every one on
+  # cuDNN, with a bias of one mask per packed row.
   calls = train["lowered_fmha"]
   forward = [c for c in calls if c["call"] == "__cudnn$fmhaScaleBiasSoftmax"]
   backward = [c for c in calls if c["call"] == "__cudnn$fmhaScaleBiasSoftmaxBackward"]
@@ -101,63 +104,79 @@ def test_bible_gpu_programs_compile_for_an_h100_with_cudnn_attention(tmp_path, g
   assert train["kept_fmha"] == 6     # none turned back into XLA's attention by the optimizer
   assert train["beside"] == 0        # its state is its argument
 
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_bible_gpu_evaluation_and_decoding_compile_for_an_h100(tmp_path, gpu_wheels):
+  """The other programs of the bible_gpu run, for an H100: its evaluation step and its
+  greedy and beam-4 decoding fit beside the training state, with cuDNN's forward attention
+  in the forms they make."""
+  p, res = aot(tmp_path, "--target", "h100", "--config", "bible_gpu", "--programs",
+               "eval,greedy,beam")
+  assert p.returncode == 0, p.stderr[-3000:]
+  cfg = config_lib.get_experiment("bible_gpu")
+  programs = check_programs(res, usable_bytes("h100_sxm.txtpb"))
+  assert list(programs) == ["eval", "greedy", "beam"]
   # Evaluation: forward only, the loss and the unsmoothed likelihood (the two passes are
   # one program, whose identical calls XLA may merge).
   evaluation = programs["eval"]
   assert {c["call"] for c in evaluation["lowered_fmha"]} == {"__cudnn$fmhaScaleBiasSoftmax"}
   assert len(evaluation["lowered_fmha"]) == 6 and 3 <= evaluation["kept_fmha"] <= 6
   assert evaluation["beside"] > 0    # the optimizer's moments stay on the device meanwhile
-
   # Decoding: the encoder's six unrolled layers on the whole source, then steps of one
   # query (greedy) or of the 4 beams' queries sharing their source's keys (beam search).
-  n = cfg.model.num_encoder_layers
-  rows = t.eval_batch_size
+  n, src = cfg.model.num_encoder_layers, cfg.data.max_src_len
+  rows = cfg.train.eval_batch_size
   for name, step_queries in (("greedy", 1), ("beam", 4)):
     r = programs[name]
-    forms = r["forms"]
     assert not any("Backward" in c["call"] for c in r["lowered_fmha"])
-    assert forms.count(f"{cfg.data.max_src_len}x{cfg.data.max_src_len} bias B") == n
-    encoder = [c for c in r["lowered_fmha"] if c["q"].startswith(f"{rows}x{cfg.data.max_src_len}x")]
-    assert len(encoder) == n
-    cross = f"{step_queries}x{cfg.data.max_src_len} bias B"
-    assert cross in forms, forms
+    encoder = [c for c in r["lowered_fmha"] if c["q"].startswith(f"{rows}x{src}x")]
+    assert len(encoder) == n and r["forms"].count(f"{src}x{src} bias B") == n
+    assert f"{step_queries}x{src} bias B" in r["forms"], r["forms"]
     assert r["kept_fmha"] == len(r["lowered_fmha"])
+    assert r["beside"] > evaluation["beside"]   # and a copy of the parameters
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_the_paper_presets_default_batches_fit_an_h100(tmp_path, gpu_wheels):
+  """base and big as their presets are (float32: XLA's attention, cuDNN takes none) at their
+  batches of 128 rows of 256 tokens."""
+  for preset in ("base", "big"):
+    p, res = aot(tmp_path, "--target", "h100", "--config", preset, "--programs", "train")
+    assert p.returncode == 0, p.stderr[-3000:]
+    (train,) = check_programs(res, usable_bytes("h100_sxm.txtpb"), attention="xla").values()
+    assert train["lowered_fmha"] == [] and train["peak"] > 2 ** 30
 
 
 @pytest.mark.slow
 @pytest.mark.aot
 def test_the_oom_stage_batch_does_not_fit_an_h200_and_the_batch_named_does(tmp_path, gpu_wheels):
-  """train.py --check_memory, offline for an H200: bible_gpu's batch fits; the GPU check's
-  out-of-memory batch does not, said in one line before anything is written, with a batch
-  that fits; that batch, checked again, fits."""
+  """train.py --check_memory, offline for an H200: the GPU check's out-of-memory batch does
+  not fit, said in one line before anything is written, with a batch that fits; that
+  batch, checked again, fits."""
   workdir = tmp_path / "run"
   train = ("train.py",)
-  p, _ = aot(tmp_path, "--config", "bible_gpu", "--workdir", str(workdir), "--check_memory",
-             "h200", script=train)
-  assert p.returncode == 0, p.stderr[-3000:]
-  assert p.stdout.startswith("fits: the train step on a batch of 128 x 64 tokens"), p.stdout
-  assert "NVIDIA H200" in p.stdout
-
   p, _ = aot(tmp_path, "--config", "bible_gpu", "--workdir", str(workdir), "--check_memory",
              "h200", f"--config.train.batch_size={OOM_BATCH}", script=train)
   assert p.returncode == 2, p.stderr[-3000:]
   errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-  assert len(errors) == 1 and "Traceback" not in p.stderr
+  assert len(errors) == 1 and "Traceback" not in p.stderr and p.stdout == ""
   m = re.fullmatch(r"error: does not fit: the train step on a batch of 8192 x 64 tokens .*"
-                   r"needs ([\d.]+) GiB of the ([\d.]+) GiB .*; a batch of (\d+) rows fits "
-                   r"\(--config.train.batch_size=\3,.*", errors[0])
+                   r"needs ([\d.]+) GiB of the ([\d.]+) GiB .*NVIDIA H200.*; a batch of (\d+) "
+                   r"rows fits \(--config.train.batch_size=\3,.*", errors[0])
   assert m, errors[0]
   need, usable, fit = float(m[1]), float(m[2]), int(m[3])
   assert need > usable
   assert abs(usable * 2 ** 30 - usable_bytes("h200.txtpb")) < 0.01 * 2 ** 30
-  assert 128 <= fit < OOM_BATCH
+  assert 128 <= fit < OOM_BATCH * usable / need
   assert not workdir.exists()
 
-  p, res = aot(tmp_path, "--target", "h200", "--config", "bible_gpu", "--programs", "train",
-               f"--config.train.batch_size={fit}")
+  p, _ = aot(tmp_path, "--config", "bible_gpu", "--workdir", str(workdir), "--check_memory",
+             "h200", f"--config.train.batch_size={fit}", script=train)
   assert p.returncode == 0, p.stderr[-3000:]
-  (row,) = res["programs"]
-  assert row["fits"] and row["peak"] <= usable_bytes("h200.txtpb")
+  assert p.stdout.startswith(f"fits: the train step on a batch of {fit} x 64 tokens"), p.stdout
+  assert not workdir.exists()
 
 
 def test_bad_requests_answer_in_one_line_before_compiling(tmp_path):
@@ -169,7 +188,8 @@ def test_bad_requests_answer_in_one_line_before_compiling(tmp_path):
       (("--target", "h100", "--memory_fraction", "1.5"), "--memory_fraction"),
       (("--target", "h100", "--config", "large"), "unknown config 'large'"),
       (("--target", "a100",), "invalid choice"),
-      (("--target", "h100", "--config.model.d_model=100"), "divisible by num_heads")]:
+      (("--target", "h100", "--config.model.d_model=100"), "divisible by num_heads"),
+      (("--target", "h100", "--config", "base", "--attention", "cudnn"), "dtype float32")]:
     p, res = aot(tmp_path, *args)
     assert p.returncode == 2, (args, p.stderr)
     assert p.stderr.startswith("error: ") and says in p.stderr, (args, p.stderr)
