@@ -58,6 +58,7 @@ TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
 # 151.4e9, the CUDA context holding the rest. A TPU program may use its whole HBM.
 GPU_MEMORY_FRACTION = 0.75
 PROGRAMS = ("train", "eval", "greedy", "beam")
+DEVICE_ONLY_FLAGS = ("--xla_gpu_autotune_level", "--xla_gpu_deterministic_ops")
 BEAM = dict(size=4, alpha=0.6)
 FMHA = re.compile(r"__cudnn\$fmha\w*")
 
@@ -97,6 +98,16 @@ def use_compile_only_backends() -> None:
   from jax._src import xla_bridge
   if not os.environ.get("JAX_PLATFORMS") and not xla_bridge.backends_are_initialized():
     jax.config.update("jax_platforms", "cpu")
+  # With no device, XLA:GPU takes default configs instead of autotuning; told not to
+  # autotune (--xla_gpu_autotune_level=0) or to use deterministic ops only, the XLA of JAX
+  # 0.12 finds none for its Triton matmuls ("CublasLtBackend cannot enumerate configs in
+  # deviceless mode"): those flags are left out here.
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  kept = [f for f in flags if not f.startswith(DEVICE_ONLY_FLAGS)]
+  if kept != flags:
+    print(f"XLA_FLAGS: {' '.join(sorted(set(flags) - set(kept)))} left out (they need a "
+          f"device)", file=sys.stderr)
+    os.environ["XLA_FLAGS"] = " ".join(kept)
 
 
 def make_target(name: str, devices: int = 1, memory_fraction: float | None = None) -> Target:
