@@ -28,6 +28,7 @@ would move to XLA's attention on the device. The attention is chosen here, not p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -125,7 +126,10 @@ def make_target(name: str, devices: int = 1, memory_fraction: float | None = Non
     fraction = GPU_MEMORY_FRACTION
     env = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if env:
-      fraction = float(env)
+      try:
+        fraction = float(env)
+      except ValueError:
+        raise AotError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number, got {env!r}") from None
     return Target(name, "cuda", list(topo.devices), memory,
                   fraction if memory_fraction is None else memory_fraction)
   check_devices(name, devices)
@@ -307,14 +311,16 @@ def compile_programs(cfg, target: Target, programs=PROGRAMS, progress=None) -> l
   """Lowers and compiles `programs` of `cfg` for `target`: a Compiled for each."""
   results = []
   t0 = time.perf_counter()
-  lowered = lowered_programs(cfg, target.devices, programs)
+  with _said(f"lowering {', '.join(programs)} for {target.kind}"):
+    lowered = lowered_programs(cfg, target.devices, programs)
   lower_s = (time.perf_counter() - t0) / max(len(lowered), 1)
   for name, (low, beside) in lowered.items():
     if progress:
       progress(f"compiling {name} for {target.kind} ...")
     text = low.as_text()
     t0 = time.perf_counter()
-    compiled = low.compile()
+    with _said(f"compiling {name} for {target.kind}"):
+      compiled = low.compile()
     seconds = time.perf_counter() - t0 + lower_s
     optimized = compiled.as_text()
     results.append(Compiled(
@@ -342,6 +348,19 @@ def default_attention(cfg, target: str) -> str:
   """cuDNN on a GPU wherever it may take the calls (what the net keeps when every probe
   passes); XLA's attention elsewhere."""
   return "cudnn" if target in GPU_TARGETS and cudnn_takes(cfg) is None else "xla"
+
+
+@contextlib.contextmanager
+def _said(what: str):
+  """A lowering or compile that fails as one line (cuDNN's attention without cuDNN's
+  library: how to get it)."""
+  try:
+    yield
+  except Exception as e:   # noqa: BLE001 - whatever JAX or XLA raised
+    line = _first_line(e)
+    hint = ("; pip install \"nvidia-cudnn-cu13==9.19.*\" (or --attention xla)"
+            if "cudnn" in line.lower() else "")
+    raise AotError(f"{what} failed: {type(e).__name__}: {line}{hint}") from e
 
 
 def run_config(cfg, attention: str):
@@ -442,7 +461,8 @@ def check_memory(cfg, target: str = "here", memory_fraction: float | None = None
     cfg = run_config(cfg, default_attention(cfg, name))
     devices, usable, kind = t.devices, t.usable, t.kind
   shd.parse_mesh_shape(cfg.train.mesh_shape, len(devices))
-  return memory_line(cfg, devices, usable, kind)
+  with _said(f"compiling the train step for {kind}"):
+    return memory_line(cfg, devices, usable, kind)
 
 
 def _check_batch(cfg, devices: int) -> None:
@@ -539,23 +559,24 @@ def main(argv=None) -> int:
     _check_batch(cfg, args.devices)
     use_compile_only_backends()
     target = make_target(args.target, args.devices, args.memory_fraction)
+    say = lambda line: print(line, file=sys.stderr, flush=True)
+    say(f"{args.config} for {target.kind} x {len(target.devices)}, attention {attention}, "
+        f"no device present (XLA skips autotuning: compile times are not the device's)")
+    rows = compile_programs(cfg, target, programs, progress=say)
+    print(table(rows, target, args.config), flush=True)
+    result = dict(config=args.config, overrides=overrides, target=args.target,
+                  kind=target.kind, devices=len(target.devices), attention=attention,
+                  memory=target.memory, fraction=target.fraction, usable=target.usable,
+                  jax=_jax_version(), programs=[r.to_dict() for r in rows])
+    train = next((r for r in rows if r.program == "train"), None)
+    if args.check_memory and train is not None:
+      with _said("compiling the train step at other batches"):
+        fits, line = memory_line(cfg, target.devices, target.usable, target.kind, train.peak)
+      print(line)
+      result["memory_line"] = line
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  say = lambda line: print(line, file=sys.stderr, flush=True)
-  say(f"{args.config} for {target.kind} x {len(target.devices)}, attention {attention}, "
-      f"no device present (XLA skips autotuning: compile times are not the device's)")
-  rows = compile_programs(cfg, target, programs, progress=say)
-  print(table(rows, target, args.config))
-  result = dict(config=args.config, overrides=overrides, target=args.target, kind=target.kind,
-                devices=len(target.devices), attention=attention, memory=target.memory,
-                fraction=target.fraction, usable=target.usable,
-                jax=_jax_version(), programs=[r.to_dict() for r in rows])
-  train = next((r for r in rows if r.program == "train"), None)
-  if args.check_memory and train is not None:
-    fits, line = memory_line(cfg, target.devices, target.usable, target.kind, train.peak)
-    print(line)
-    result["memory_line"] = line
   if args.json:
     Path(args.json).write_text(json.dumps(result, indent=1))
   return 0
