@@ -23,7 +23,8 @@ OOM_BATCH = 8192   # the GPU check's out-of-memory stage (bench/gpu/run.py): bib
 
 
 def _missing_wheels() -> str | None:
-  if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+  if (importlib.util.find_spec("jax_plugins") is None
+      or importlib.util.find_spec("jax_plugins.xla_cuda13") is None):
     return "no CUDA plugin (pip install \"jax-cuda13-plugin==<jax version>\")"
   try:
     importlib.metadata.version("nvidia-cudnn-cu13")
