@@ -43,6 +43,10 @@ def parse_args(argv):
   p.add_argument("--coordinator_address", default="")
   p.add_argument("--num_processes", type=int, default=0)
   p.add_argument("--process_id", type=int, default=-1)
+  p.add_argument("--check_memory", nargs="?", const="here", default=None, metavar="TARGET",
+                 help="compile the train step, say in one line whether its batch fits the "
+                      "device (and if not, the batch that does), and exit: on the GPU or "
+                      "TPU here, or offline for TARGET (h100, h200, v5e, v6e; h100:8 for 8)")
   args, rest = p.parse_known_args(argv)
   overrides = []
   for r in rest:
@@ -79,6 +83,9 @@ def main(argv=None) -> int:
   one_line_warnings()
   from seq2seq import compile_cache
   compile_cache.enable()
+  from seq2seq import versions
+  if line := versions.notice():
+    print(line, file=sys.stderr)
   try:
     from seq2seq import sharding
     sharding.maybe_initialize_distributed(args.coordinator_address, args.num_processes,
@@ -92,6 +99,13 @@ def main(argv=None) -> int:
                         f"{cfg.data.dataset!r}" + ("; the numbers task's target language "
                         "is --config.data.target_lang (fr or de)"
                         if cfg.data.dataset == "numbers" else ""))
+    if args.check_memory is not None:
+      from seq2seq import aot
+      fits, line = aot.check_memory(cfg, args.check_memory)
+      if not fits:
+        raise UserError(line)
+      print(line)
+      return 0
     result = train_lib.train(cfg, args.workdir, progress=not args.no_progress)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

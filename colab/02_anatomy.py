@@ -77,6 +77,9 @@ def _source():
     return given
   return _uploaded_wheel(here) or next(filter(None, map(_checkout, (here, *here.parents))), None)
 
+JAX_WHEELS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
+              "jax-cuda13-pjrt", "libtpu")
+
 def _installed_versions(names):
   versions = {}
   for name in names:
@@ -94,20 +97,29 @@ if importlib.util.find_spec("seq2seq") is None:
         f"({REPO_URL}) is a placeholder: upload the wheel (in a checkout: pip wheel --no-deps -w dist .) "
         f"or set REPO_URL to your fork's URL, then run this cell again.")
   packages = [source or f"git+{REPO_URL}"]
-  if shutil.which("nvidia-smi"):                                   # GPU runtime
-    packages.append("jax[cuda12]")
-  elif os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"):  # TPU runtime
-    packages.append("jax[tpu]")
+  # The runtime's JAX stays as it is: pip may not replace jax, jaxlib or the GPU or TPU
+  # plugin they came with (a jax replaced under its plugin is a broken accelerator).
+  present = {n: v for n, v in _installed_versions(JAX_WHEELS).items() if v}
+  if "jax" not in present:
+    if shutil.which("nvidia-smi"):                                   # GPU runtime
+      packages.append("jax[cuda12]")
+    elif os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"):  # TPU runtime
+      packages.append("jax[tpu]")
+  keep = pathlib.Path(tempfile.mkdtemp()) / "runtime-jax.txt"
+  keep.write_text("".join(f"{n}=={v}\n" for n, v in present.items()))
   # Packages this runtime has imported already: if pip replaces one, Python keeps the old.
   imported = _installed_versions(m for m in ("jax", "jaxlib", "ml_dtypes", "numpy") if m in sys.modules)
-  print("pip install", *packages, "...")
+  print("pip install", *packages, "..." + (f" (keeping jax {present['jax']})" if "jax" in present else ""))
+  constraints = " ".join(filter(None, (os.environ.get("PIP_CONSTRAINT"), str(keep))))
   pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *packages],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True,
+                       env={**os.environ, "PIP_CONSTRAINT": constraints})
   if pip.returncode != 0:
     sys.stderr.write(pip.stdout + pip.stderr)
-    raise InstallStopped(f"pip could not install {packages[0]} (exit code {pip.returncode}, "
-                         f"its messages are above): fix the wheel, REPO_URL or the network, "
-                         f"then run this cell again.")
+    kept = f" with this runtime's jax {present['jax']}" if "jax" in present else ""
+    raise InstallStopped(f"pip could not install {packages[0]}{kept} (exit code "
+                         f"{pip.returncode}, its messages are above): fix the wheel, REPO_URL "
+                         f"or the network, then run this cell again.")
   importlib.invalidate_caches()
   replaced = [m for m, v in imported.items() if _installed_versions([m])[m] != v]
   if replaced:

@@ -147,10 +147,11 @@ def _install_cell(repo_url=None) -> str:
 
 class _FakePip:
   def __init__(self, returncode=0, on_run=None):
-    self.calls, self.returncode, self.on_run = [], returncode, on_run
+    self.calls, self.envs, self.returncode, self.on_run = [], [], returncode, on_run
 
   def __call__(self, args, **kw):
     self.calls.append(list(args))
+    self.envs.append(kw.get("env"))
     if self.on_run:
       self.on_run()
     return subprocess.CompletedProcess(args, self.returncode, stdout="", stderr="ERROR: no\n")
@@ -166,7 +167,11 @@ def _run_install_cell(source, monkeypatch, tmp_path, pip, versions=None, src_dir
                       lambda name, *a: None if name == "seq2seq" else real_find_spec(name, *a))
   monkeypatch.setattr(subprocess, "run", pip)
   if versions is not None:
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    def version(name):
+      if name not in versions:
+        raise importlib.metadata.PackageNotFoundError(name)
+      return versions[name]
+    monkeypatch.setattr(importlib.metadata, "version", version)
   if src_dir:
     monkeypatch.setenv("SEQ2SEQ_SRC", str(src_dir))
   else:
@@ -255,6 +260,30 @@ def test_install_cell_asks_for_a_restart_when_pip_replaced_an_imported_jax(monke
   pip = _FakePip()                           # pip left JAX alone: no restart needed
   assert _run_install_cell(_install_cell("https://github.com/someone/seq2seq"),
                            monkeypatch, tmp_path, pip, versions) is None
+
+
+def test_install_cell_keeps_the_runtimes_jax_and_its_plugin(monkeypatch, tmp_path):
+  """On a GPU runtime that has JAX (Colab's: jax, jaxlib and their CUDA plugin, of one
+  version), pip is held to those versions and adds no jax[cuda12] of its own; on one
+  without JAX, it installs the GPU's."""
+  import shutil
+  runtime = {"jax": "0.12.0.1", "jaxlib": "0.12.0.1", "jax-cuda12-plugin": "0.12.0.1",
+             "jax-cuda12-pjrt": "0.12.0.1", "numpy": "2.0.0", "ml_dtypes": "0.5.0"}
+  monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name == "nvidia-smi"
+                      else None)
+  fork = "https://github.com/someone/seq2seq"
+  pip = _FakePip()
+  assert _run_install_cell(_install_cell(fork), monkeypatch, tmp_path, pip, dict(runtime)) is None
+  (args,), (env,) = pip.calls, pip.envs
+  assert not any(a.startswith("jax") for a in args[4:]), args
+  kept = Path(env["PIP_CONSTRAINT"].split()[-1]).read_text().split()
+  assert sorted(kept) == sorted(f"{n}=={v}" for n, v in runtime.items() if n.startswith("jax"))
+
+  pip = _FakePip()                             # no JAX yet: the GPU's
+  assert _run_install_cell(_install_cell(fork), monkeypatch, tmp_path, pip,
+                           {"numpy": "2.0.0"}) is None
+  assert "jax[cuda12]" in pip.calls[0]
+  assert Path(pip.envs[0]["PIP_CONSTRAINT"].split()[-1]).read_text() == ""
 
 
 @pytest.mark.slow
