@@ -225,7 +225,8 @@ def _train_in_child(sample: list[str], args: dict, progress: bool) -> bytes:
   with subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as p:
     reader = threading.Thread(target=lambda: model.append(p.stdout.read()), daemon=True)
     reader.start()
-    for line in io.TextIOWrapper(p.stderr, errors="replace"):
+    err = io.TextIOWrapper(p.stderr, errors="replace")
+    for line in err:
       last = (last + [line.strip()])[-5:]
       done = None
       if _LOADED.search(line):
@@ -240,6 +241,7 @@ def _train_in_child(sample: list[str], args: dict, progress: bool) -> bytes:
       if done is not None and done > bar.n:
         bar.update(done - bar.n)
     reader.join()
+    err.close()
   if p.returncode == 0:
     bar.update(100 - bar.n)
   bar.close()
