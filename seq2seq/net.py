@@ -14,7 +14,8 @@ such evidence: it is raised as it is.
       fails while it runs is redone on XLA's attention from the state it started from.
       Every host compiles the step before any runs it, and they agree on what failed
       through a vector of fixed size (`accelerator.agree`).
-  `netted`              the evaluation and decoding, done again on XLA's attention.
+  `netted`              the evaluation and decoding (training's, decode.py's and the
+      translation API's: translate.translate_nbest), done again on XLA's attention.
   `run_failures`        the run itself: an error in one line (out of memory; a failure with
       cuDNN's attention in the programs, after the watched steps, naming
       SEQ2SEQ_ATTENTION=xla), and on several hosts one host's failure stops every host
@@ -41,6 +42,7 @@ POLL_S = 0.5          # how often a host looks for another's failure
 SEEN_TIMEOUT_S = 5.0  # how long a failing host waits for the others to see its failure
 _STOP, _SEEN = "seq2seq/net/stop/", "seq2seq/net/seen/"
 _STOPPING = threading.Event()   # this host has told the others it stops
+_NETTED = [0]   # > 0: inside `netted`, which does again what fails in it
 
 
 class HostsStopped(UserError):
@@ -170,9 +172,19 @@ def netted(what: str, run: Callable, finite: Callable = lambda out: True) -> tup
   what moved). If a program it runs gave cuDNN a form and failed with it (raised while
   traced, compiling or running; `finite(result)` false), those forms move to XLA's
   attention for every role and `run` is done again. On several hosts no host redoes alone:
-  every host stops (`stop_every_host`), the move stored where the evidence names cuDNN."""
-  if acc.requested() != "auto":
+  every host stops (`stop_every_host`), the move stored where the evidence names cuDNN.
+  Inside another `netted` (translations in an evaluation) this is `run()`: the outer one
+  does it again."""
+  if acc.requested() != "auto" or _NETTED[0]:
     return run(), []
+  _NETTED[0] += 1
+  try:
+    return _netted(what, run, finite)
+  finally:
+    _NETTED[0] -= 1
+
+
+def _netted(what: str, run: Callable, finite: Callable) -> tuple:
   result, failure, traced = _attempted(run, finite)
   if failure is None and not traced.failed:
     return result, []
