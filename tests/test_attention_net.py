@@ -309,6 +309,7 @@ def test_decode_py_runs_under_the_net(fake_cudnn, tmp_path, monkeypatch, recwarn
   ARMED["raise"] = "CUDNN_STATUS_EXECUTION_FAILED: fmha forward (emulated)"
   monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _cudnn_failing(forward=fault))
   jax.clear_caches()   # (decoding's programs as a new process traces them)
+  monkeypatch.setattr(acc, "_IN_USE", set())
   assert _decode_py(workdir, FLAGS[strategy]) == on_xla[strategy]
   lines = [str(w.message) for w in recwarn if "cuDNN" in str(w.message)]
   why = {"compile": r"JaxRuntimeError: NOT_FOUND: .*",
