@@ -14,11 +14,13 @@ such evidence: it is raised as it is.
       fails while it runs is redone on XLA's attention from the state it started from.
       Every host compiles the step before any runs it, and they agree on what failed
       through a vector of fixed size (`accelerator.agree`).
-  `netted`              the evaluation and decoding, done again on XLA's attention.
+  `netted`              the evaluation and decoding (training's, decode.py's and the
+      translation API's: translate.translate_nbest), done again on XLA's attention.
   `run_failures`        the run itself: an error in one line (out of memory; a failure with
       cuDNN's attention in the programs, after the watched steps, naming
-      SEQ2SEQ_ATTENTION=xla), and on several hosts one host's failure stops every host
-      within seconds (a host that cannot redo a step alone stops them all).
+      SEQ2SEQ_ATTENTION=xla), a step that fails on one of several devices or hangs
+      stopping the run (seq2seq/watchdog.py), and on several hosts one host's failure
+      stops every host within seconds (a host that cannot redo a step alone stops them all).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from seq2seq import steps
+from seq2seq import steps, watchdog
 from seq2seq.errors import UserError
 from seq2seq.kernels import accelerator as acc
 
@@ -41,6 +43,7 @@ POLL_S = 0.5          # how often a host looks for another's failure
 SEEN_TIMEOUT_S = 5.0  # how long a failing host waits for the others to see its failure
 _STOP, _SEEN = "seq2seq/net/stop/", "seq2seq/net/seen/"
 _STOPPING = threading.Event()   # this host has told the others it stops
+_NETTED = [0]   # > 0: inside `netted`, which does again what fails in it
 
 
 class HostsStopped(UserError):
@@ -53,8 +56,10 @@ def step_with_fallback(trainer: steps.Trainer, state, batch: dict, watch: bool =
   """`trainer.step(state, batch)` under the net (unless not `watch`): returns (trainer,
   state, m, the lines saying what moved to XLA's attention). With nothing on cuDNN, or
   SEQ2SEQ_ATTENTION set (cudnn: its errors surface), this is the plain step."""
+  watchdog.starting(state)
   if not watch or acc.requested() != "auto":
     state, m = trainer.step(state, batch)
+    watchdog.dispatched(m)
     return trainer, state, m, []
   failure = _failed_before_running(trainer, state, batch)
   if failure is not None:
@@ -69,6 +74,7 @@ def step_with_fallback(trainer: steps.Trainer, state, batch: dict, watch: bool =
   number = int(state.step) + 1 if forms else 0
   try:
     new, m = trainer.step(state, batch)
+    watchdog.dispatched(m, number or None)
     if forms:
       jax.block_until_ready(m)   # (runs out or fails here)
   except Exception as e:
@@ -136,6 +142,7 @@ def _redo(trainer, state, batch, forms, number: int, nonfinite: bool, line: str,
   stored for the forms `evidence()` gives, undone if the redo fails too."""
   moved = acc.move_to_xla(forms, f"a train step with it was non-finite (step {number})"
                           if nonfinite else f"a train step with it failed (step {number})")
+  watchdog.redoing(number)
   try:
     redo, state, m, said = step_with_fallback(
         steps.Trainer(trainer.cfg, trainer.mesh, trainer.bos_id), state, batch)
@@ -170,9 +177,19 @@ def netted(what: str, run: Callable, finite: Callable = lambda out: True) -> tup
   what moved). If a program it runs gave cuDNN a form and failed with it (raised while
   traced, compiling or running; `finite(result)` false), those forms move to XLA's
   attention for every role and `run` is done again. On several hosts no host redoes alone:
-  every host stops (`stop_every_host`), the move stored where the evidence names cuDNN."""
-  if acc.requested() != "auto":
+  every host stops (`stop_every_host`), the move stored where the evidence names cuDNN.
+  Inside another `netted` (translations in an evaluation) this is `run()`: the outer one
+  does it again."""
+  if acc.requested() != "auto" or _NETTED[0]:
     return run(), []
+  _NETTED[0] += 1
+  try:
+    return _netted(what, run, finite)
+  finally:
+    _NETTED[0] -= 1
+
+
+def _netted(what: str, run: Callable, finite: Callable) -> tuple:
   result, failure, traced = _attempted(run, finite)
   if failure is None and not traced.failed:
     return result, []
@@ -262,14 +279,16 @@ def divergence_hint() -> str:
 def run_failures(cfg, devices: int):
   """Around a run's steps: an out-of-memory, or a failure while cuDNN's attention is in the
   run's programs (after the watched steps: the state was donated, nothing is redone), in
-  one line; on several hosts, a thread that ends this host within seconds of another's
-  failure, and this host's failure told to the others."""
+  one line; a step that fails on one device while the others wait for it, or hangs, stops
+  the run (`watchdog`, `_step_stopped`); on several hosts, a thread that ends this host
+  within seconds of another's failure, and this host's failure told to the others."""
   done = threading.Event()
   if jax.process_count() > 1:
     threading.Thread(target=_watch, args=(done,), daemon=True, name="seq2seq-hosts").start()
   try:
     try:
-      yield
+      with watchdog.watching(_step_stopped):
+        yield
     except jax.errors.JaxRuntimeError as e:
       steps.raise_if_out_of_memory(e, cfg, devices)
       _raise_if_cudnn_failed(e)
@@ -292,19 +311,35 @@ def _raise_if_cudnn_failed(e: BaseException) -> None:
                     f"XLA's attention") from None
 
 
-def stop_every_host(line: str, forms=(), store: bool = False):
+def _step_stopped(line: str, error: BaseException | None) -> None:
+  """A step that failed on one device while the others waited for it, or hung
+  (`watchdog`): every host stops. The move of cuDNN's forms to XLA's attention is stored
+  where the error names cuDNN."""
+  forms = acc.in_use() if acc.requested() == "auto" else []
+  if forms:
+    line += f", cuDNN's attention in the run's programs (query x key lengths " \
+            f"{acc.lengths(forms)})"
+  cleared = error is not None and acc.not_a_verdict(error)   # out of memory, a timeout
+  stop_every_host(line, forms, error is not None and acc.names_cudnn(error) and not cleared,
+                  cudnn=bool(forms) and not cleared)
+
+
+def stop_every_host(line: str, forms=(), store: bool = False, cudnn: bool = True):
   """Ends this process (exit 2, `line` on standard error) once every other host has seen
   it (they end too): on several hosts a failure inside a program leaves the others waiting
   in its collectives, so no host may redo it alone, nor run the collectives of a clean exit
   (a checkpoint manager's) while the others are elsewhere. With `store`, the move of
   `forms` to XLA's attention is stored first (the evidence names cuDNN), and the rerun
-  resumes on it."""
+  resumes on it; `cudnn` false: cuDNN's attention had no part in it."""
+  who = "every host stops" if jax.process_count() > 1 else "the run stops"
   if forms and store:
     acc.keep(acc.move_to_xla(forms, "failed on this host"))
-    line += ": every host stops; rerun to resume from the last checkpoint on XLA's attention"
-  else:
-    line += (": every host stops; rerun with SEQ2SEQ_ATTENTION=xla to resume from the last "
+    line += f": {who}; rerun to resume from the last checkpoint on XLA's attention"
+  elif cudnn:
+    line += (f": {who}; rerun with SEQ2SEQ_ATTENTION=xla to resume from the last "
              "checkpoint on XLA's attention")
+  else:
+    line += f": {who}; rerun to resume from the last checkpoint"
   _tell_the_others(line)
   print(f"error: {line}", file=sys.stderr, flush=True)
   os._exit(2)

@@ -8,16 +8,24 @@ with its score (cutting over-long sources, skipping empty ones); `translate_chun
 chunk by chunk, for output written as it comes. A single string is one sentence. Sources are
 read as the tokenizer's `normalize_source` says (lower-cased for the numbers task: the
 tokenizer of `load_workdir` follows the run's data config).
+
+Decoding runs under the net of seq2seq/net.py: where cuDNN's attention fails in its
+programs (they do not compile, a run raises, scores come out NaN), its forms move to XLA's
+attention, the sentences are decoded again, and one warning says so.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+import math
+import warnings
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
-from seq2seq import kernels, slots
+from seq2seq import kernels, net, slots
 from seq2seq.config import TransformerConfig
 from seq2seq.decoding import _variables, as_key, decode, decode_params
 from seq2seq.search import Beam, Greedy, Sample, Strategy, _check, _is_int
@@ -151,29 +159,80 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
   batching = resolve_batching(batching, strategy, len(sentences), batch_size, cfg)
   pad, eos = int(getattr(tokenizer, "pad_id", 0)), int(tokenizer.eos_id)
   srcs, truncated = encode_sources(tokenizer, sentences, cfg.max_len, truncate=truncate)
-  texts: list[list[str]] = [[""] for _ in srcs]
-  scores: list[list[float]] = [[0.0] for _ in srcs]
   todo = [i for i, s in enumerate(srcs) if not (skip_empty and len(s) == 1)]
   if progress is not None and len(todo) < len(srcs):
     progress(len(srcs) - len(todo))
   params = decode_params(cfg, _variables(params))   # once, not per batch
-  bos = int(tokenizer.bos_id)
+  decoded = functools.partial(
+      _decode, params, cfg, int(tokenizer.bos_id), eos, pad, srcs, todo, strategy,
+      batching=batching, batch_size=batch_size, length_multiple=length_multiple,
+      max_len=max_len, rng=rng, progress=_Progress(progress), stats=stats)
+  # Under the net: a decoding whose cuDNN attention failed (compiling, running, or with
+  # non-finite scores) is done again on XLA's attention, said in one warning.
+  out, said = net.netted("decoding", decoded, _Decoded.finite)
+  for line in said:
+    warnings.warn(line, stacklevel=2)
+  texts: list[list[str]] = [[""] for _ in srcs]
+  scores: list[list[float]] = [[0.0] for _ in srcs]
+  for i, (ids, scr) in out.hyps.items():
+    texts[i] = [tokenizer.decode(x) for x in ids]
+    scores[i] = scr
+  return Translations(texts, scores, out.num_tokens, truncated)
+
+
+@dataclasses.dataclass
+class _Decoded:
+  """What `_decode` gives (one object, not a tree of JAX's: nothing in it is on a device).
+  hyps: {sentence index: (its hypotheses' ids, their scores)}; num_tokens: generated over
+  them."""
+  hyps: dict
+  num_tokens: int
+
+  def finite(self) -> bool:
+    """No NaN score (an empty beam slot's -inf is no failure)."""
+    return not any(math.isnan(s) for _, scores in self.hyps.values() for s in scores)
+
+
+class _Progress:
+  """`progress` told of each sentence once, however often the decoding is begun again."""
+
+  def __init__(self, progress: Callable[[int], Any] | None):
+    self.progress, self.told, self.done = progress, 0, 0
+
+  def restart(self) -> None:
+    self.done = 0
+
+  def __call__(self, n: int) -> None:
+    self.done += n
+    if self.progress is not None and self.done > self.told:
+      self.progress(self.done - self.told)
+      self.told = self.done
+
+
+def _decode(params, cfg: TransformerConfig, bos: int, eos: int, pad: int, srcs, todo,
+            strategy: Strategy, *, batching: str, batch_size: int, length_multiple: int,
+            max_len, rng, progress: _Progress, stats: StreamStats | None) -> _Decoded:
+  """Decodes the sources `todo` indexes. `stats` gets the counts of a decoding that
+  returns."""
+  progress.restart()
+  hyps, num_tokens = {}, 0
   if batching == "slots":
+    counts = StreamStats()
     out = [] if not todo else slots.decode_stream(
         cfg, params, [srcs[i] for i in todo], strategy, bos_id=bos, eos_id=eos, pad_id=pad,
         slots=batch_size, max_len=max_len, rng=rng, length_multiple=length_multiple,
-        progress=progress, stats=stats)
-    num_tokens = 0
+        progress=progress, stats=counts)
     for i, (toks, scr, lens) in zip(todo, out):
       # An empty beam slot (score -inf) is dropped; the best hypothesis is always kept.
       keep = [j for j in range(len(scr)) if j == 0 or scr[j] > -np.inf]
-      texts[i] = [tokenizer.decode(_ids(toks[j], lens[j], eos)) for j in keep]
-      scores[i] = [float(scr[j]) for j in keep]
+      hyps[i] = ([_ids(toks[j], lens[j], eos) for j in keep], [float(scr[j]) for j in keep])
       num_tokens += int(sum(lens[j] for j in keep))
-    return Translations(texts, scores, num_tokens, truncated)
+    if stats is not None:
+      for field in dataclasses.fields(counts):
+        setattr(stats, field.name, getattr(stats, field.name) + getattr(counts, field.name))
+    return _Decoded(hyps, num_tokens)
   order = sorted(todo, key=lambda i: len(srcs[i]))
   key = as_key(rng)
-  num_tokens = 0
   for n, start in enumerate(range(0, len(order), batch_size)):
     idx = order[start:start + batch_size]
     rows = min(batch_size, 1 << (len(idx) - 1).bit_length())
@@ -184,16 +243,14 @@ def translate_nbest(params, cfg: TransformerConfig, tokenizer, sentences: Sequen
       src[r, :len(srcs[i])] = srcs[i]
     res = decode(cfg, params, src, strategy, bos_id=bos, eos_id=eos,
                  pad_id=pad, max_len=max_len, rng=jax.random.fold_in(key, n))
-    hyps = [res.token_lists(eos, j) for j in range(res.tokens.shape[1])]
+    ids = [res.token_lists(eos, j) for j in range(res.tokens.shape[1])]
     for r, i in enumerate(idx):
       # An empty beam slot (score -inf) is dropped; the best hypothesis is always kept.
-      keep = [j for j in range(len(hyps)) if j == 0 or res.scores[r, j] > -np.inf]
-      texts[i] = [tokenizer.decode(hyps[j][r]) for j in keep]
-      scores[i] = [float(res.scores[r, j]) for j in keep]
+      keep = [j for j in range(len(ids)) if j == 0 or res.scores[r, j] > -np.inf]
+      hyps[i] = ([ids[j][r] for j in keep], [float(res.scores[r, j]) for j in keep])
       num_tokens += int(sum(res.lengths[r, j] for j in keep))
-    if progress is not None:
-      progress(len(idx))
-  return Translations(texts, scores, num_tokens, truncated)
+    progress(len(idx))
+  return _Decoded(hyps, num_tokens)
 
 
 def translate_chunks(params, cfg: TransformerConfig, tokenizer, sentences: Iterable[str],

@@ -7,18 +7,21 @@ FAKE_CUDNN_FAILS_ON names:
            refuses (a kernel it does not have): their probe passes, their train step
            fails to compile;
   run      in the run's programs, the backward raises while the step runs (as cuDNN's
-           "CUDNN_STATUS_EXECUTION_FAILED"; one device a process: the others of a failing
-           process would wait in the step's collectives too): their probe passes, their
-           first step fails while the other processes wait for them inside it;
+           "CUDNN_STATUS_EXECUTION_FAILED") on the last device of the last process: their
+           probe passes, their first step fails there while the other devices, of this
+           process and the others, wait for it inside it;
+  hang     the same, but the backward never returns (a device that hangs);
   late     in the run's programs, the backward times out while the step is traced (a host
            late to agree): their probe passes, their step never compiles.
 
 Writes this process's attention verdicts to $FAKE_CUDNN_VERDICTS.<process index> when
-train.py is done."""
+train.py is done. FAKE_STEP_WATCH="MIN_S,FACTOR" sets the step watch's bound
+(seq2seq/watchdog.py)."""
 import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
 
+from seq2seq import watchdog  # noqa: E402
 from seq2seq.kernels import accelerator as acc  # noqa: E402
 
 FAILS_ON = {int(i) for i in os.environ.get("FAKE_CUDNN_FAILS_ON", "").split(",") if i}
@@ -49,6 +53,8 @@ def _in_probe() -> bool:
 
 
 def _check(_):
+  if jax.process_index() in FAILS_ON and FAILURE == "hang":
+    threading.Event().wait()
   if jax.process_index() in FAILS_ON:
     raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED: fmha backward (emulated)")
   return np.bool_(False)
@@ -71,7 +77,7 @@ def _bwd(vjp, g):
   if FAILURE == "compile" and here and run:
     dq = jax.ffi.ffi_call("__cudnn$fmhaBackwardEmulated",
                           jax.ShapeDtypeStruct(dq.shape, dq.dtype))(dq)
-  if FAILURE == "run" and run:   # (the same program on every process: its collectives alike)
+  if FAILURE in ("run", "hang") and run:   # (the same program on every process)
     failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), dq.reshape(-1)[0],
                          ordered=False, sharding=jax.sharding.SingleDeviceSharding(
                              jax.devices()[-1]))   # (run by the last process)
@@ -84,6 +90,8 @@ def _bwd(vjp, g):
 fake_cudnn.defvjp(_fwd, _bwd)
 acc.IMPLEMENTATIONS["cudnn"] = fake_cudnn
 acc.unqualified = lambda q, mask=None: None   # cuDNN takes these inputs (here: the fake)
+if os.environ.get("FAKE_STEP_WATCH"):
+  watchdog.MIN_S, watchdog.FACTOR = map(float, os.environ["FAKE_STEP_WATCH"].split(","))
 logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)   # (the emulated raise)
 
 if __name__ == "__main__":

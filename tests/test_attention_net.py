@@ -4,7 +4,9 @@ the probe's: the probe's small program passes where a run's large one fails (com
 running, or with NaN), as on the GPUs of JAX's issues. No such failure ends a run: the
 forms move to XLA's attention for every role, the work is done again, one line says so,
 and the move is stored only where the evidence names cuDNN."""
+import contextlib
 import functools
+import io
 import os
 import re
 import sys
@@ -260,3 +262,66 @@ def test_bench_train_steps_through_the_net(fake_cudnn, tmp_path, monkeypatch):
       r"step 1: cuDNN's attention failed \(JaxRuntimeError: NOT_FOUND: .*\): moved to XLA's "
       r"attention and redid the step", r["redone_on_xla"][0]), r["redone_on_xla"]
   assert r["attention"] and not any(v["train"]["ok"] for v in r["attention"])
+
+
+
+# --- decoding outside training: decode.py and the translation API -------------------------
+
+SOURCES = [src for src, _ in data_testing.sentence_pairs(132, seed=3)[126:]]
+FLAGS = {"beam": ["--n_best", "2"],                   # fixed batches; scores written too
+         "greedy_slots": ["--beam_size", "1", "--batch_size", "2"]}   # slots
+
+
+def _decode_py(workdir, flags) -> str:
+  """decode.py's standard output for SOURCES (run in this process; its exit code 0)."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import decode
+  with contextlib.redirect_stdout(io.StringIO()) as out:
+    assert decode.main(["--workdir", str(workdir), "--no_progress", *flags, *SOURCES]) == 0
+  return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def decoded_on_xla(tmp_path_factory):
+  """The workdir of train.py's tiny bf16 run on the accelerator kernels, and decode.py's
+  translations of it on XLA's attention from the start, by FLAGS' names."""
+  root = tmp_path_factory.mktemp("decoded_on_xla")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv(acc.ENV, "xla")
+    _train(root, "w", steps=2)
+    return root / "w", {name: _decode_py(root / "w", flags) for name, flags in FLAGS.items()}
+
+
+@pytest.mark.slow   # decode.py twice on a tiny model, after its training (~10-20 s on 2 cores)
+@pytest.mark.parametrize("how, strategy", [("compile", "beam"), ("run", "greedy_slots"),
+                                           ("nan", "beam"), ("nan", "greedy_slots")])
+def test_decode_py_runs_under_the_net(fake_cudnn, tmp_path, monkeypatch, recwarn,
+                                      decoded_on_xla, how, strategy):
+  """decode.py (translate_nbest: fixed batches, or slots) with a cuDNN whose forward fails
+  in decoding's programs: it does not compile, it raises while it runs, or it gives NaN.
+  Before, decode.py ended in a traceback, or wrote garbled translations and said nothing.
+  Now the decoding is done again on XLA's attention, one warning says so, and the
+  translations written are those of XLA's attention from the start. The move is stored
+  where the error names cuDNN, not for a NaN (nothing names it, its probe passes)."""
+  workdir, on_xla = decoded_on_xla
+  stored = _verdicts_kept(tmp_path, monkeypatch)
+  fault = {"compile": _uncompilable, "run": _when_armed, "nan": lambda y: y * jnp.nan}[how]
+  ARMED["raise"] = "CUDNN_STATUS_EXECUTION_FAILED: fmha forward (emulated)"
+  monkeypatch.setitem(acc.IMPLEMENTATIONS, "cudnn", _cudnn_failing(forward=fault))
+  jax.clear_caches()   # (decoding's programs as a new process traces them)
+  monkeypatch.setattr(acc, "_IN_USE", set())
+  assert _decode_py(workdir, FLAGS[strategy]) == on_xla[strategy]
+  lines = [str(w.message) for w in recwarn if "cuDNN" in str(w.message)]
+  why = {"compile": r"JaxRuntimeError: NOT_FOUND: .*",
+         "run": r"JaxRuntimeError: INTERNAL: CpuCallback error calling callback: RuntimeError: "
+                r"CUDNN_STATUS_EXECUTION_FAILED: fmha forward \(emulated\)",
+         "nan": "non-finite results"}[how]
+  kept = r"not kept for later runs: .*" if how == "nan" else r"kept for later runs"
+  assert len(lines) == 1 and re.fullmatch(
+      rf"decoding: cuDNN's attention failed \({why}; query x key lengths [\dx, ]+\): moved to "
+      rf"XLA's attention and did the decoding again \({kept}\)", lines[0]), lines
+  moved = [v for v in acc.verdicts() if not v["forward"]["ok"]]
+  assert moved and all(v["train"]["ok"] is False for v in moved), acc.verdicts()
+  assert not acc.in_use(), acc.verdicts()   # nothing left on cuDNN
+  (machine,) = stored().values()
+  assert any(not v["forward"][0] for v in machine.values()) == (how != "nan"), machine

@@ -1,0 +1,129 @@
+"""The train steps in flight, watched from a thread: a step that fails on one device while
+the step's other devices wait for it, or that hangs, ends the run in one line, not never.
+
+A device that fails inside a step leaves the step's other devices waiting for it in the
+step's collectives. No error reaches the host, which waits on their results for good, and
+so do the other hosts (XLA:CPU shows it with 2 devices a process; NCCL's collectives wait
+alike). Nothing can be redone either: a device that waits in a collective runs nothing
+after it. So while `watching`, a thread looks at the outputs of the steps in flight every
+POLL_S (the loop hands it each step's outputs as it dispatches it: no host sync), and
+finds a step
+
+  failed  where a device's outputs hold an error while another device's are not ready,
+          on two looks running: that device failed, the others wait for it;
+  hung    whose outputs are not all ready BOUND seconds after it was dispatched: BOUND is
+          FACTOR times the slowest step so far, timed from one dispatch to the next (the
+          first from the watch's start: its compile), and at least MIN_S.
+
+It calls `on_stop(line, error)` (net.run_failures: every host stops, exit 2) with a line
+that names the step. The checkpoints written stay intact: one being written is left
+unfinished, and the next run sets it aside (checkpoint.py).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from typing import Callable
+
+import jax
+
+from seq2seq.kernels.accelerator import first_line
+
+POLL_S = 0.5
+MIN_S = 300.0
+FACTOR = 10.0
+_WATCHES: list = []   # the watch of the run in progress
+
+
+class _Watch:
+
+  def __init__(self, on_stop: Callable[[str, BaseException | None], None]):
+    self.on_stop = on_stop
+    self.last: int | None = None     # the number of the step dispatched last
+    self.at = time.monotonic()       # when (before any: the watch's start)
+    self.slowest = 0.0               # the longest time from one dispatch to the next
+    self.flight = collections.deque()   # (number, outputs, when dispatched), oldest first
+    self.done = threading.Event()
+
+  def dispatched(self, outputs, number: int | None) -> None:
+    now = time.monotonic()
+    self.slowest = max(self.slowest, now - self.at)
+    self.at = now
+    self.last = self.last + 1 if number is None else number
+    self.flight.append((self.last, outputs, now))
+
+  def bound(self) -> float:
+    return max(MIN_S, FACTOR * self.slowest)
+
+  def run(self) -> None:
+    suspect = None   # the step seen failed on one device at the last look
+    while not self.done.wait(POLL_S):
+      while self.flight:
+        number, outputs, at = self.flight[0]
+        ready, failed = _look(outputs)
+        if ready:
+          self.flight.popleft()
+          continue
+        waited = time.monotonic() - at
+        if failed is not None and suspect == number:
+          device, error = failed
+          return self.on_stop(f"step {number}: device {device} failed while the step's "
+                              f"other devices waited for it in its collectives "
+                              f"({first_line(error)})", error)
+        suspect = number if failed is not None else None
+        if waited > self.bound():
+          return self.on_stop(f"step {number} hung: no result from its devices in "
+                              f"{waited:.0f} s, the slowest step so far {self.slowest:.1f} s "
+                              f"(its compile included)", None)
+        break
+
+
+def _look(outputs) -> tuple[bool, tuple | None]:
+  """(whether every shard of `outputs` is ready, (device, error) of one that failed)."""
+  ready, failed = True, None
+  for leaf in jax.tree_util.tree_leaves(outputs):
+    if not isinstance(leaf, jax.Array) or leaf.is_deleted():
+      continue
+    for shard in leaf.addressable_shards:
+      try:
+        if not shard.data.is_ready():
+          ready = False
+        elif failed is None:
+          shard.data.block_until_ready()   # (ready: raises its error, or returns at once)
+      except Exception as e:   # noqa: BLE001 - the device's error
+        failed = (shard.device, e)
+  return ready, failed
+
+
+@contextlib.contextmanager
+def watching(on_stop: Callable[[str, BaseException | None], None]):
+  """Watches the steps `dispatched` inside, until the block ends."""
+  watch = _Watch(on_stop)
+  _WATCHES.append(watch)
+  threading.Thread(target=watch.run, daemon=True, name="seq2seq-step-watch").start()
+  try:
+    yield watch
+  finally:
+    watch.done.set()
+    _WATCHES.remove(watch)
+
+
+def starting(state) -> None:
+  """Before a step: the first one's number, read once a watch (one host sync a run)."""
+  if _WATCHES and _WATCHES[-1].last is None:
+    _WATCHES[-1].last = int(state.step)
+
+
+def dispatched(outputs, number: int | None = None) -> None:
+  """A step dispatched, with its outputs (not waited for): step `number`, or the one after
+  the last."""
+  if _WATCHES:
+    _WATCHES[-1].dispatched(outputs, number)
+
+
+def redoing(number: int) -> None:
+  """Step `number` is done again: the next dispatched is `number` again."""
+  if _WATCHES:
+    _WATCHES[-1].last = number - 1
