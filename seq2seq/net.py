@@ -283,8 +283,9 @@ def run_failures(cfg, devices: int):
   the run (`watchdog`, `_step_stopped`); on several hosts, a thread that ends this host
   within seconds of another's failure, and this host's failure told to the others."""
   done = threading.Event()
+  hosts = threading.Thread(target=_watch, args=(done,), daemon=True, name="seq2seq-hosts")
   if jax.process_count() > 1:
-    threading.Thread(target=_watch, args=(done,), daemon=True, name="seq2seq-hosts").start()
+    hosts.start()
   try:
     try:
       with watchdog.watching(_step_stopped):
@@ -300,6 +301,8 @@ def run_failures(cfg, devices: int):
     raise
   finally:
     done.set()
+    if hosts.is_alive():   # (as watchdog.watching's: out of jaxlib before the exit)
+      hosts.join(timeout=watchdog.JOIN_S)
 
 
 def _raise_if_cudnn_failed(e: BaseException) -> None:

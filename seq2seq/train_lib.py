@@ -328,6 +328,7 @@ def _loop(cfg: Config, wd: Workdir, ds, trainer: Trainer, ckpts, state, start: i
       test_metrics = run_eval(trainer, cfg, state, ds, "test", writer, step, bar, samples=5,
                                final=True)
   finally:
+    batches.close()   # the input pipeline's threads end before the interpreter does
     if bar is not None:
       bar.close()
     try:

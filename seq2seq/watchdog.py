@@ -34,6 +34,7 @@ from seq2seq.kernels.accelerator import first_line
 POLL_S = 0.5
 MIN_S = 300.0
 FACTOR = 10.0
+JOIN_S = 10.0   # the most a block's end waits for its watch's last look
 _WATCHES: list = []   # the watch of the run in progress
 
 
@@ -102,12 +103,17 @@ def watching(on_stop: Callable[[str, BaseException | None], None]):
   """Watches the steps `dispatched` inside, until the block ends."""
   watch = _Watch(on_stop)
   _WATCHES.append(watch)
-  threading.Thread(target=watch.run, daemon=True, name="seq2seq-step-watch").start()
+  thread = threading.Thread(target=watch.run, daemon=True, name="seq2seq-step-watch")
+  thread.start()
   try:
     yield watch
   finally:
     watch.done.set()
     _WATCHES.remove(watch)
+    # Ended before the block is left: a daemon thread still inside jaxlib's C++ when the
+    # interpreter exits aborts the process ("FATAL: exception not rethrown").
+    thread.join(timeout=JOIN_S)
+    watch.flight.clear()   # the steps' outputs let go of here, not in the thread
 
 
 def starting(state) -> None:

@@ -265,6 +265,31 @@ def test_the_next_epochs_plan_is_made_ahead_on_a_thread(stream, monkeypatch):
   assert made == [(1, "plan of epoch 1"), (2, "plan of epoch 2"), (3, "plan of epoch 3")]
 
 
+def test_closed_batches_leave_no_thread_running(stream, monkeypatch):
+  """Prefetch.close ends its thread and closes the batches, which wait for a next epoch's
+  plan being made: no thread of the input pipeline runs on into the interpreter's exit
+  (one inside NumPy's C++ sort there aborts the process)."""
+  import threading
+  import time
+  from seq2seq.data.pipeline import Prefetch
+  started = threading.Event()
+  real = TrainStream._make_plan
+
+  def slow_plan(self, epoch):   # the plan still being made when the run ends
+    started.set()
+    time.sleep(1.0)
+    return real(self, epoch)
+  monkeypatch.setattr(TrainStream, "_make_plan", slow_plan)
+  s = TrainStream(stream.pairs, batch_size=8, seq_len=32, pack=True, seed=3)
+  batches = Prefetch(iter(s(s.steps_per_epoch - 1)))   # the last step of epoch 0
+  next(batches)
+  assert started.wait(30)
+  batches.close()
+  alive = [t.name for t in threading.enumerate()
+           if t.name.startswith("plan of epoch") or t is batches._t]
+  assert alive == []
+
+
 def test_unpacked_rows():
   pairs, _ = apply_length_policy(_random_ragged(50, 1, 10, 0),
                                  _random_ragged(50, 1, 10, 1), 16, 16, "drop")

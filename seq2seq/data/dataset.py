@@ -150,11 +150,15 @@ class Dataset:
     Batch k depends only on (seed, k, the shard): resuming at k repeats it exactly, and
     this host's rows are its shards' rows, stacked."""
     step = int(start_step)
-    while True:
-      parts = [s.batch(step) for s in self._streams]
-      yield parts[0] if len(parts) == 1 else {
-          k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-      step += 1
+    try:
+      while True:
+        parts = [s.batch(step) for s in self._streams]
+        yield parts[0] if len(parts) == 1 else {
+            k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        step += 1
+    finally:   # closed: the next epochs' plans being made are waited for
+      for s in self._streams:
+        s.finish()
 
   def train_sources(self, candidates: int = 100) -> sources.TrainSources:
     """The record of what the training sources were (`sources.Tally.record`)."""

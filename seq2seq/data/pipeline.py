@@ -289,6 +289,11 @@ class TrainStream:
     self._ahead = (epoch, thread, out)
     thread.start()
 
+  def finish(self) -> None:
+    """Waits for the next epoch's plan where one is being made: nothing runs on after."""
+    if self._ahead is not None:
+      self._ahead[1].join()
+
   def batch(self, step: int) -> dict[str, np.ndarray]:
     epoch, i = divmod(step, self.steps_per_epoch)
     stream, bounds = self._plan(epoch)
@@ -299,9 +304,12 @@ class TrainStream:
 
   def __call__(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     step = start_step
-    while True:
-      yield self.batch(step)
-      step += 1
+    try:
+      while True:
+        yield self.batch(step)
+        step += 1
+    finally:
+      self.finish()
 
   def epoch_stats(self, epoch: int = 0) -> dict:
     """How epoch `epoch` uses the data: examples placed, distinct, token fill."""
