@@ -13,10 +13,12 @@
 Also <workdir>/train_sources.json: what the training sources were (sources.py).
 
 Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
-A new vocabulary is published as soon as it is trained (the other hosts of a run tokenize
-their shards meanwhile), token ids once every check on the data has passed (the files, the
-shards, the lengths): a refused run leaves no vocabulary or cache of its own behind, and a
-vocabulary it replaced is back.
+On several hosts each stage ends in the hosts' agreement (seq2seq.hosts): process 0 makes
+the vocabulary (and a TFDS dataset) while the others wait; then every host makes its own
+shards' token ids at once; then they are published. A refusal on any host stops every host at the agreement it
+reaches next. A new vocabulary is published as soon as it is trained, token ids once every
+check on the data has passed on every host (the files, the shards, the lengths): a refused
+run leaves no vocabulary or cache of its own behind, and a vocabulary it replaced is back.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from seq2seq.data.corpus import open_corpus
 from seq2seq.data.files import atomic_write, cannot_write
 from seq2seq.data.pipeline import TrainStream, apply_length_policy, host_shards, pad_batch
 from seq2seq.data.tokenizer import Tokenizer
+from seq2seq import hosts
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
@@ -198,6 +201,22 @@ def _process() -> tuple[int, int]:
   return jax.process_index(), jax.process_count()
 
 
+def _open(cfg: Config, process_index: int, progress: bool):
+  corpus = open_corpus(cfg, process_index, progress)
+  if "train" not in corpus.splits:
+    raise UserError(f"dataset {corpus.name} has no 'train' split")
+  return corpus
+
+
+def _tidy(wd: Workdir, corpus, tokenizer: Tokenizer, order_changes: bool) -> None:
+  """What no run of the workdir reads any more: an earlier version's cache, what killed runs
+  left, token ids of another vocabulary or of text that changed."""
+  token_ids.replace_earlier_versions(wd.data_cache, wd, order_changes)
+  token_ids.remove_staging(wd.data_cache)
+  token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
+                            {split: corpus.identity(split) for split in corpus.splits})
+
+
 def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
                  process_index: int | None = None, process_count: int | None = None,
                  progress: bool | None = None) -> Dataset:
@@ -214,31 +233,43 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
     progress = sys.stderr.isatty()
   progress = progress and process_index == 0
   wd = Workdir.of(workdir)
-  clock = [time.perf_counter()]
-  corpus = open_corpus(cfg, process_index, progress)
-  if "train" not in corpus.splits:
-    raise UserError(f"dataset {corpus.name} has no 'train' split")
-  clock.append(time.perf_counter())
-  tokenizer, new, record = vocabulary.vocabulary(cfg, wd, corpus, process_index, progress)
-  clock.append(time.perf_counter())
-  tokenizer.lowercase_source = cfg.data.lowercase_source
+  clock, waited = [time.perf_counter()], hosts.waited()
   made = wd.create()
   had_cache = wd.data_cache.is_dir()
-  replaced = {path: path.read_bytes() if path.is_file() else None   # (a vocabulary no run
-              for path in (wd.vocab, wd.vocab_record)} if new else {}   # uses: kilobytes)
   resuming = wd.checkpoints.is_dir() and any(wd.checkpoints.iterdir())
+  corpus = tokenizer = None
+  replaced = {}   # the files a new vocabulary replaced, put back if the run is refused
   try:
-    if new:   # published first: the other hosts tokenize their shards meanwhile
-      vocabulary.write(wd, tokenizer, record)
-    try:
-      wd.data_cache.mkdir(exist_ok=True)
-    except OSError as e:
-      raise cannot_write(wd.data_cache, e) from None
-    ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
-    ds.publish()
+    with hosts.stage("vocabulary"):   # process 0's: the others wait here for it
+      if process_index == 0 or cfg.data.dataset == "parallel_text":   # (not a TFDS dataset
+        corpus = _open(cfg, process_index, progress)                  # process 0 builds)
+      clock.append(time.perf_counter())
+      if process_index == 0:
+        tokenizer, new, record = vocabulary.vocabulary(cfg, wd, corpus, 0, progress)
+        if new:   # published first: the other hosts tokenize their shards meanwhile
+          replaced = {path: path.read_bytes() if path.is_file() else None   # (kilobytes)
+                      for path in (wd.vocab, wd.vocab_record)}
+          vocabulary.write(wd, tokenizer, record)
+    with hosts.stage("token ids"):   # each host's shards, tokenized at once
+      if corpus is None:
+        corpus = _open(cfg, process_index, progress)
+      if tokenizer is None:   # the one process 0 stored
+        tokenizer = vocabulary.vocabulary(cfg, wd, corpus, process_index)[0]
+      clock.append(time.perf_counter())
+      tokenizer.lowercase_source = cfg.data.lowercase_source
+      try:
+        wd.data_cache.mkdir(exist_ok=True)
+      except OSError as e:
+        raise cannot_write(wd.data_cache, e) from None
+      ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
+    with hosts.stage("published"):
+      ds.publish()
+      if process_index == 0:
+        _tidy(wd, corpus, tokenizer, resuming and cfg.data.dataset == "parallel_text")
+        sources.write(wd, ds.train_sources())
   except BaseException:   # refused (or interrupted): what it made goes, what it replaced
-    token_ids.remove_staging(wd.data_cache, os.getpid())   # is back
-    if not had_cache:
+    token_ids.remove_staging(wd.data_cache, os.getpid())   # is back (each host its own, and
+    if not had_cache and process_index == 0:                # process 0 the workdir's)
       shutil.rmtree(wd.data_cache, ignore_errors=True)
     for path, data in replaced.items():
       if data is None:
@@ -247,22 +278,16 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
         atomic_write(path, data)
     wd.remove_made(made)
     raise
-  if process_index == 0:
-    token_ids.replace_earlier_versions(wd.data_cache, wd,
-                                       resuming and cfg.data.dataset == "parallel_text")
-    token_ids.remove_staging(wd.data_cache)   # what killed runs left
-    # token ids no run of this workdir can use (another vocabulary, text that changed)
-    token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
-                              {split: corpus.identity(split) for split in corpus.splits})
-    sources.write(wd, ds.train_sources())
   clock.append(time.perf_counter())
   seconds = dict(zip(("corpus", "vocabulary", "rows"), np.diff(clock).tolist()))
   seconds["token ids"], seconds["checks"] = ds.tokenizing_s, ds.checking_s
-  seconds["rows"] -= ds.tokenizing_s + ds.checking_s
+  seconds["other hosts"] = hosts.waited() - waited   # (waiting for them)
+  seconds["rows"] -= ds.tokenizing_s + ds.checking_s + seconds["other hosts"]
   ds.stats["seconds"] = seconds
   if process_index == 0 and clock[-1] - clock[0] >= LONG:   # what the time went on
     print(f"data ready in {clock[-1] - clock[0]:.0f} s: " + ", ".join(
         f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "checks",
-                                            "rows")),
+                                            "rows", "other hosts")
+        if k != "other hosts" or process_count > 1),
         file=sys.stderr, flush=True)
   return ds
