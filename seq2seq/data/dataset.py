@@ -15,7 +15,8 @@ Also <workdir>/train_sources.json: what the training sources were (sources.py).
 Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
 On several hosts each stage ends in the hosts' agreement (seq2seq.hosts): process 0 makes
 the vocabulary (and a TFDS dataset) while the others wait; then every host makes its own
-shards' token ids at once; then they are published. A refusal on any host stops every host at the agreement it
+shards' token ids at once (gathered from another host count's where a run stored them);
+then they are published. A refusal on any host stops every host at the agreement it
 reaches next. A new vocabulary is published as soon as it is trained, token ids once every
 check on the data has passed on every host (the files, the shards, the lengths): a refused
 run leaves no vocabulary or cache of its own behind, and a vocabulary it replaced is back.
@@ -59,6 +60,7 @@ class Dataset:
     self._made: list[tuple[Path, Path]] = []   # tokenized here, not yet published
     self._published = False
     self.tokenizing_s = self.checking_s = 0.0   # seconds tokenizing; checking stored ids
+    self.regrouped: dict[str, int] = {}   # shards gathered from another count's: that count
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
                       f"(available: {', '.join(self.splits)})")
@@ -72,11 +74,13 @@ class Dataset:
 
   # --- token ids, on disk -------------------------------------------------------------------
 
-  def _token_ids(self, split: str, indices, shard: str) -> token_ids.TokenIds:
-    """The split's (shard's) stored token ids, checked; tokenized if there are none or they
-    are broken (set aside, said in one line)."""
-    where = token_ids.path(self.workdir.data_cache, self.tokenizer,
-                           self.corpus.identity(split), split, shard)
+  def _token_ids(self, split: str, indices, shard: str,
+                 of: tuple[int, int] | None = None) -> token_ids.TokenIds:
+    """The split's (shard's) stored token ids, checked; if there are none (or they are
+    broken: set aside, said in one line), gathered from those of another shard count
+    (shard `of` = (shard, shards); `token_ids.regroup`), else tokenized."""
+    identity = self.corpus.identity(split)
+    where = token_ids.path(self.workdir.data_cache, self.tokenizer, identity, split, shard)
     start = time.perf_counter()
     try:
       ids = token_ids.load(where, self.tokenizer.vocab_size)
@@ -84,11 +88,21 @@ class Dataset:
       warnings.warn(f"{where}: {why}; set aside, tokenizing it again")
       token_ids.set_aside(where)
       ids = None
+    stored = None
+    if ids is None and of is not None:
+      n = self.corpus.num_examples(split)
+      stored = token_ids.stored_shards(self.workdir.data_cache, self.tokenizer, identity,
+                                       split, n, *of)
     self.checking_s += time.perf_counter() - start
     if ids is None:
       made, start = token_ids.staging(where), time.perf_counter()
-      ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
-                               progress=self.progress, published_as=where)
+      if stored is not None:
+        ids = token_ids.regroup(stored, split, n, *of, self.tokenizer, identity, made,
+                                progress=self.progress, published_as=where)
+        self.regrouped[shard] = stored[0]
+      else:
+        ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
+                                 progress=self.progress, published_as=where)
       self.tokenizing_s += time.perf_counter() - start
       self._made.append((made, where))
       if self._published:
@@ -118,7 +132,7 @@ class Dataset:
     self._streams, totals, host_examples = [], {}, 0
     self._sources = sources.Tally(self.tokenizer.vocab_size)
     for shard, idx in mine.items():
-      ids = self._token_ids("train", idx, f"{shard}of{shards}")
+      ids = self._token_ids("train", idx, f"{shard}of{shards}", (shard, shards))
       pairs, stats = apply_length_policy(ids.src, ids.tgt, src_limit, tgt_limit,
                                          d.length_policy)
       if stats["kept"] == 0:
