@@ -131,8 +131,11 @@ class Dataset:
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
     self._streams, totals, host_examples = [], {}, 0
     self._sources = sources.Tally(self.tokenizer.vocab_size)
+    made = {shard: self._token_ids("train", idx, f"{shard}of{shards}", (shard, shards))
+            for shard, idx in mine.items()}
+    self.corpus.release("train")   # its text is read no more: its index goes before the plans
     for shard, idx in mine.items():
-      ids = self._token_ids("train", idx, f"{shard}of{shards}", (shard, shards))
+      ids = made[shard]
       pairs, stats = apply_length_policy(ids.src, ids.tgt, src_limit, tgt_limit,
                                          d.length_policy)
       if stats["kept"] == 0:
@@ -146,7 +149,6 @@ class Dataset:
       self._streams.append(TrainStream(pairs, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
                                        shard=shard))
-    self.corpus.release("train")   # its text is read no more
     over = totals["dropped_too_long"] + totals["truncated"]
     if over:
       warnings.warn(f"{over} of {host_examples} training pairs are longer than {src_limit} "
