@@ -241,7 +241,7 @@ def run_train(args: list[str], log: str, hosts: int = 1) -> dict:
     raise RuntimeError(f"{' '.join(cmd)} failed (exit {codes}); see {log}")
   phases = {}
   if "data" in seen:
-    phases = {k: float(v) for k, v in re.findall(r"([a-z ]+?) ([\d.]+) s", seen["data"][1]
+    phases = {k.strip(): float(v) for k, v in re.findall(r"([a-z ]+?) ([\d.]+) s", seen["data"][1]
                                                   .split(":", 1)[1])}
   return dict(exit=0, hosts=hosts, wall_s=wall, to_training_s=seen["training"][0],
               to_first_step_s=seen["first_step"][0], data_phases_s=phases,
