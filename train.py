@@ -108,7 +108,9 @@ def main(argv=None) -> int:
       return 0
     result = train_lib.train(cfg, args.workdir, progress=not args.no_progress)
   except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    from seq2seq import hosts
+    hosts.leave(e)   # several hosts refusing: they leave together (none outlives process 0)
     return 2
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)

@@ -4,6 +4,7 @@
     python bench/bench_input.py --bible DIR           # the Bible corpus elsewhere
     python bench/bench_input.py --datasets numbers --seconds 2
     python bench/bench_input.py --pairs 1000000,4500000,9000000     # corpora of that size
+    python bench/bench_input.py --pairs 4500000 --hosts 1,2,4       # as 1, 2, 4 hosts
 
 --pairs N,...: for each N, a corpus of N training pairs (the Bible's training verses drawn
 at random, a random number appended to both sides so that lines rarely repeat; the Bible's
@@ -15,7 +16,10 @@ For each run: seconds to the first step, the data's phases (train.py's "data rea
 the peak resident memory of train.py and its children, before the first step (the data,
 the model's init) and over the whole run (the evaluation's decoding included); after the
 resume, the seconds that checking the cached token ids takes (every split's SHA-256 and
-arrays, as a resume checks them). Writes bench/results/input_scale.json.
+arrays, as a resume checks them). --hosts H,...: the same as H processes on this machine,
+the hosts of one run (jax.distributed over loopback), each process's peak measured, and a
+resume of the one-host workdir on H hosts (its shards gathered from the one host's token
+ids). Writes bench/results/input_scale.json.
 
 For each dataset: the one-time costs ("tfds s": building the TFDS data, on the first run
 only, the data dir is reused; "vocab+tok s": SentencePiece training and tokenization of the
@@ -152,8 +156,8 @@ def make_corpus(bible: str, out: str, pairs: int, seed: int = 0) -> str:
   return out
 
 
-def _tree_rss(pid: int) -> int:
-  """Resident bytes of process `pid` and its descendants."""
+def _tree_rss(pids: list[int]) -> list[int]:
+  """Resident bytes of each process of `pids` with its descendants (one pass over /proc)."""
   parent = {}
   for d in os.listdir("/proc"):
     if d.isdigit():
@@ -162,60 +166,89 @@ def _tree_rss(pid: int) -> int:
           parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
       except (OSError, ValueError, IndexError):
         pass
-  tree, grew = {pid}, True
-  while grew:
-    more = {p for p, pp in parent.items() if pp in tree} - tree
-    tree |= more
-    grew = bool(more)
-  total = 0
-  for p in tree:
-    try:
-      with open(f"/proc/{p}/statm") as f:
-        total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-      pass
-  return total
+  out = []
+  for pid in pids:
+    tree, grew = {pid}, True
+    while grew:
+      more = {p for p, pp in parent.items() if pp in tree} - tree
+      tree |= more
+      grew = bool(more)
+    total = 0
+    for p in tree:
+      try:
+        with open(f"/proc/{p}/statm") as f:
+          total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+      except (OSError, ValueError):
+        pass
+    out.append(total)
+  return out
 
 
-def run_train(args: list[str], log: str) -> dict:
-  """train.py with `args` in a new process: seconds to its first step, its data phases, and
-  its peak resident memory (with its children's), before the first step and in all."""
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_train(args: list[str], log: str, hosts: int = 1) -> dict:
+  """train.py with `args` in new processes, `hosts` of them as the hosts of one run
+  (jax.distributed over loopback): seconds to the first step, the data phases (process 0's
+  lines), and each process's peak resident memory with its children's, before the first
+  step and in all (the largest of them as peak_data_gb / peak_gb)."""
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
+  port = _free_port()
   start = time.perf_counter()
-  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       errors="replace", cwd=ROOT)
-  seen, peak, done = {}, {"all": 0, "data": 0}, threading.Event()
+  procs = [subprocess.Popen(
+      cmd + (["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(hosts),
+              "--process_id", str(i)] if hosts > 1 else []),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", cwd=ROOT)
+      for i in range(hosts)]
+  seen, done = {}, threading.Event()
+  peak = {"all": [0] * hosts, "data": [0] * hosts}
 
   def watch():
-    while not done.is_set():   # (not p.poll(): os.wait4 below reaps it, with its usage)
-      rss = _tree_rss(p.pid)
-      peak["all"] = max(peak["all"], rss)
-      if "training" not in seen:
-        peak["data"] = max(peak["data"], rss)
+    while not done.is_set():   # (not p.poll(): os.wait4 below reaps them, with their usage)
+      for i, rss in enumerate(_tree_rss([p.pid for p in procs])):
+        peak["all"][i] = max(peak["all"][i], rss)
+        if "training" not in seen:
+          peak["data"][i] = max(peak["data"][i], rss)
       time.sleep(0.1)
   threading.Thread(target=watch, daemon=True).start()
-  with open(log, "w") as out:
-    for line in p.stdout:
-      out.write(line)
-      now = time.perf_counter() - start
-      for key, pattern in (("training", r"^training \d+-d"), ("first_step", r"first step in"),
-                           ("data", r"^data ready in")):
-        if key not in seen and re.search(pattern, line):
-          seen[key] = (now, line.strip())
+
+  def echo(i):   # each process's output to its log; process 0's lines timed
+    with open(log if i == 0 else f"{log}.{i}", "w") as out:
+      for line in procs[i].stdout:
+        out.write(line)
+        now = time.perf_counter() - start
+        for key, pattern in (("training", r"^training \d+-d"), ("first_step", r"first step in"),
+                             ("data", r"^data ready in")):
+          if i == 0 and key not in seen and re.search(pattern, line):
+            seen[key] = (now, line.strip())
+  readers = [threading.Thread(target=echo, args=(i,), daemon=True) for i in range(hosts)]
+  for r in readers:
+    r.start()
+  for r in readers:
+    r.join()
   done.set()
-  _, status, usage = os.wait4(p.pid, 0)
-  p.returncode = os.waitstatus_to_exitcode(status)
+  codes, maxrss = [], []
+  for p in procs:
+    _, status, usage = os.wait4(p.pid, 0)
+    codes.append(os.waitstatus_to_exitcode(status))
+    maxrss.append(usage.ru_maxrss * 1024 / 1e9)
   wall = time.perf_counter() - start
-  if p.returncode != 0 or "first_step" not in seen:
-    raise RuntimeError(f"{' '.join(cmd)} failed (exit {p.returncode}); see {log}")
+  if any(codes) or "first_step" not in seen:
+    raise RuntimeError(f"{' '.join(cmd)} failed (exit {codes}); see {log}")
   phases = {}
   if "data" in seen:
-    phases = {k: float(v) for k, v in re.findall(r"([a-z ]+?) ([\d.]+) s", seen["data"][1]
+    phases = {k.strip(): float(v) for k, v in re.findall(r"([a-z ]+?) ([\d.]+) s", seen["data"][1]
                                                   .split(":", 1)[1])}
-  return dict(exit=p.returncode, wall_s=wall, to_training_s=seen["training"][0],
+  return dict(exit=0, hosts=hosts, wall_s=wall, to_training_s=seen["training"][0],
               to_first_step_s=seen["first_step"][0], data_phases_s=phases,
-              peak_data_gb=peak["data"] / 1e9, peak_gb=peak["all"] / 1e9,
-              ru_maxrss_gb=usage.ru_maxrss * 1024 / 1e9, log=log)
+              peak_data_gb=max(peak["data"]) / 1e9, peak_gb=max(peak["all"]) / 1e9,
+              per_process_peak_data_gb=[x / 1e9 for x in peak["data"]],
+              per_process_peak_gb=[x / 1e9 for x in peak["all"]],
+              ru_maxrss_gb=maxrss, log=log)
 
 
 SCALE_ARGS = ["--config", "small", "--src_lang", "en", "--tgt_lang", "fr",
@@ -236,28 +269,62 @@ def check_seconds(work: str) -> float:
   return time.perf_counter() - start
 
 
-def bench_scale(sizes: list[int], bible: str, root: str) -> list[dict]:
+def _eval_split(corpus: str, split: str, pairs: int, root: str) -> str:
+  """The prefix of the corpus' `split` files; with `pairs`, of their first `pairs` lines
+  (written under `root`)."""
+  if not pairs:
+    return os.path.join(corpus, split)
+  out = os.path.join(root, f"{split}-{pairs}-{os.path.basename(os.path.normpath(corpus))}")
+  for lang in ("en", "fr"):
+    with open(os.path.join(corpus, f"{split}.{lang}"), encoding="utf-8") as f:
+      lines = [next(f) for _ in range(pairs)]
+    with open(f"{out}.{lang}", "w", encoding="utf-8") as f:
+      f.writelines(lines)
+  return out
+
+
+def bench_scale(sizes: list[int], bible: str, root: str, hosts=(1,), eval_pairs: int = 0
+                ) -> list[dict]:
+  """For each corpus and host count: a first run and its resume in a new workdir; after
+  the resume on one host, the seconds checking its token ids take; and on more hosts, a
+  resume of the one-host workdir too (its shards gathered from the one host's ids). With
+  `eval_pairs`, the runs evaluate that many validation and test pairs (their final
+  evaluation decodes every pair of the Bible's splits otherwise: minutes on several
+  processes)."""
   rows = []
   for pairs in [0, *sizes]:   # 0: the Bible itself
     corpus = bible if pairs == 0 else make_corpus(bible, os.path.join(root, f"corpus-{pairs}"),
                                                   pairs)
-    work = os.path.join(root, f"work-{pairs}")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(root, exist_ok=True)
-    files = [f"--{s}_files={os.path.join(corpus, s)}" for s in ("train", "validation", "test")]
-    first = run_train(["--workdir", work, *SCALE_ARGS, *files], f"{work}.first.log")
-    again = run_train(["--workdir", work, "--config.train.steps=3"], f"{work}.resume.log")
-    again["check_s"] = check_seconds(work)
     text = sum(os.path.getsize(os.path.join(corpus, f"train.{l}")) for l in ("en", "fr"))
-    rows.append(dict(pairs=pairs or sum(1 for _ in open(os.path.join(bible, "train.en"))),
-                     corpus="bible" if pairs == 0 else f"generated {pairs}",
-                     text_mb=text / 1e6, first=first, resume=again))
-    r = rows[-1]
-    print(f"{r['corpus']:>18}: first run {first['to_first_step_s']:.0f} s to the first step, "
-          f"peak {first['peak_data_gb']:.2f} GB before it, {first['peak_gb']:.2f} GB in all; "
-          f"resume {again['to_first_step_s']:.1f} s, {again['peak_data_gb']:.2f} / "
-          f"{again['peak_gb']:.2f} GB; checking its token ids {again['check_s']:.2f} s",
-          flush=True)
+    one_host, steps = None, 3
+    for h in hosts:
+      work = os.path.join(root, f"work-{pairs}" + (f"-{h}hosts" if h > 1 else ""))
+      shutil.rmtree(work, ignore_errors=True)
+      os.makedirs(root, exist_ok=True)
+      files = [f"--train_files={os.path.join(corpus, 'train')}"] + [
+          f"--{s}_files={_eval_split(corpus, s, eval_pairs, root)}" for s in ("validation", "test")]
+      first = run_train(["--workdir", work, *SCALE_ARGS, *files], f"{work}.first.log", h)
+      again = run_train(["--workdir", work, "--config.train.steps=3"], f"{work}.resume.log", h)
+      row = dict(pairs=pairs or sum(1 for _ in open(os.path.join(bible, "train.en"))),
+                 corpus="bible" if pairs == 0 else f"generated {pairs}", hosts=h,
+                 text_mb=text / 1e6, first=first, resume=again)
+      if h == 1:
+        again["check_s"] = check_seconds(work)
+        one_host = work
+      elif one_host is not None:
+        steps += 1
+        row["resume_one_host_workdir"] = run_train(
+            ["--workdir", one_host, f"--config.train.steps={steps}"],
+            f"{work}.resume-of-1-host.log", h)
+      rows.append(row)
+      other = row.get("resume_one_host_workdir")
+      print(f"{row['corpus']:>18} on {h} host(s): first run {first['to_first_step_s']:.0f} s "
+            f"to the first step, peak {first['peak_data_gb']:.2f} GB a process before it, "
+            f"{first['peak_gb']:.2f} GB in all; resume {again['to_first_step_s']:.1f} s, "
+            f"{again['peak_data_gb']:.2f} / {again['peak_gb']:.2f} GB"
+            + (f"; checking its token ids {again['check_s']:.2f} s" if h == 1 else "")
+            + (f"; the 1-host workdir resumed here {other['to_first_step_s']:.1f} s, "
+               f"{other['peak_data_gb']:.2f} GB" if other else ""), flush=True)
   return rows
 
 
@@ -274,12 +341,17 @@ def main(argv=None):
                   "input.json, input_scale.json with --pairs)")
   ap.add_argument("--pairs", default="", help="train.py on generated corpora of these many "
                   "pairs (comma-separated), beside the Bible")
+  ap.add_argument("--eval_pairs", type=int, default=0, help="with --pairs: the runs' "
+                  "validation and test splits are the Bible's first N pairs (0: all)")
+  ap.add_argument("--hosts", default="1", help="with --pairs: train.py as this many processes "
+                  "on this machine, the hosts of one run (comma-separated counts)")
   args = ap.parse_args(argv)
   results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
   if args.pairs:
     if not os.path.isdir(args.bible):
       sys.exit(f"error: {args.bible} not found (python -m seq2seq.data.bible {args.bible})")
-    rows = bench_scale([int(n) for n in args.pairs.split(",") if n], args.bible, args.root)
+    rows = bench_scale([int(n) for n in args.pairs.split(",") if n], args.bible, args.root,
+                       [int(h) for h in args.hosts.split(",") if h], args.eval_pairs)
     out = args.out or os.path.join(results, "input_scale.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
@@ -287,7 +359,8 @@ def main(argv=None):
                      date=datetime.datetime.now().isoformat(timespec="seconds"),
                      host=dict(platform=platform.platform(), cpu=cpu_name(),
                                cpus=os.cpu_count(), jax=jax.__version__),
-                     command="train.py " + " ".join(SCALE_ARGS), runs=rows), f, indent=2)
+                     command="train.py " + " ".join(SCALE_ARGS), eval_pairs=args.eval_pairs,
+                     runs=rows), f, indent=2)
     print(f"wrote {out}")
     return 0
   args.out = args.out or os.path.join(results, "input.json")

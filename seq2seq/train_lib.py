@@ -15,16 +15,15 @@ import time
 from typing import Callable
 
 import jax
-import numpy as np
 
 from seq2seq import checkpoint as ckpt_lib
 from seq2seq import config as config_lib
+from seq2seq import hosts
 from seq2seq import metrics as metrics_lib
 from seq2seq.config import Config
 from seq2seq.errors import UserError
 from seq2seq.evaluate import run_eval
 from seq2seq.kernels import malloc
-from seq2seq.lock import WorkdirLock, WorkdirLocked
 from seq2seq.state import schedule
 from seq2seq.net import run_failures, divergence_hint, step_with_fallback
 from seq2seq.steps import NO_STEP, Trainer, accumulate, check_runnable
@@ -119,51 +118,35 @@ def summary(r: "TrainResult") -> str:
   return "\n".join(lines)
 
 
-def _lock(wd: Workdir) -> WorkdirLock | None:
-  """Process 0 takes the workdir's lock for the run's hosts; all of them learn the outcome
-  (so that a refused multi-host run ends on every host at once)."""
-  lock, error = None, None
-  if _is_main():
-    try:
-      lock = wd.lock()
-    except UserError as e:
-      error = e
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
-    if not ok and error is None:
-      error = WorkdirLocked(f"workdir {wd} is in use by another run (see process 0)")
-  if error is not None:
-    raise error
-  return lock
-
-
 def _start(cfg: Config, wd: Workdir, progress: bool):
   """Everything before the first step: the config checked against the workdir's, the data,
-  the trainer, the state (restored or new). Returns (cfg, ds, trainer, ckpts, state, start,
-  resuming)."""
+  the trainer, the state (restored or new), each stage agreed by the hosts. Returns (cfg,
+  ds, trainer, ckpts, state, start, resuming)."""
   from seq2seq.data import load_dataset
-  resuming = wd.config.exists()
-  cfg = wd.prepare(cfg)
+  with hosts.stage("workdir"):
+    resuming = wd.config.exists()
+    cfg = wd.prepare(cfg)
   ds = load_dataset(cfg, wd, progress=None if progress else False)   # (bars on a terminal)
   malloc.release_freed_memory()   # what preparing the data held, before the model
   cfg = cfg.replace(model=cfg.model.replace(vocab_size=ds.tokenizer.vocab_size))
-  trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
-  ckpts = ckpt_lib.Checkpoints(wd, keep=cfg.train.keep_checkpoints)
+  ckpts = None
   try:
-    restored = ckpts.restore(trainer.abstract_state)
+    with hosts.stage("state"):
+      trainer = Trainer(cfg, bos_id=ds.tokenizer.bos_id)
+      ckpts = ckpt_lib.Checkpoints(wd, keep=cfg.train.keep_checkpoints)
+      restored = ckpts.restore(trainer.abstract_state)
+      if restored is None:
+        state, start = trainer.init(jax.random.key(cfg.train.seed)), 0
+      else:
+        state, start = restored[0], int(restored[1]["step"])
+        _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
+      if _is_main() and resuming:       # a resumed run's new train settings, once they work
+        wd.write_config(cfg)
   except BaseException:
-    ckpts.close()
+    if ckpts is not None:
+      ckpts.close()
     raise
-  if restored is None:
-    state = trainer.init(jax.random.key(cfg.train.seed))
-    start = 0
-  else:
-    state, meta = restored
-    start = int(meta["step"])
-    _print(f"resuming from {ckpts.directory / str(start)} (step {start})")
-  if _is_main() and resuming:       # a resumed run's new train settings, once they work
-    wd.write_config(cfg)
+  hosts.started()
   return cfg, ds, trainer, ckpts, state, start, resuming
 
 
@@ -176,11 +159,12 @@ def train(cfg: Config, workdir: Workdir | str | os.PathLike, *, progress: bool =
   first step removes what it wrote, so the workdir is as it was."""
   t_start = time.time()
   wd = Workdir.checked(workdir, must_exist=False)
-  check_runnable(cfg)
-  made = wd.create()
-  lock = None
+  made, lock = [], None
   try:
-    lock = _lock(wd)
+    with hosts.stage("lock"):   # process 0 takes it for the run's hosts; all learn the outcome
+      check_runnable(cfg)
+      if _is_main():   # (and puts it back if the run is refused)
+        made, lock = wd.create(), wd.lock()
     before = wd.run_files()
     try:
       cfg, ds, trainer, ckpts, state, start, resuming = _start(cfg, wd, progress)

@@ -21,9 +21,9 @@ are EOS-terminated in batches; the decoder input is `shift_right(tgt, BOS, tgt_s
 Files: TFDS data in data.data_dir; <workdir>/vocab.model and vocab.json (what it was built
 from: vocabulary.py); <workdir>/data_cache/ (token ids: token_ids.py); <workdir>/
 train_sources.json (what the training sources were: sources.py). In multi-host runs
-process 0 builds the dataset and trains the vocabulary, the others wait for the files; each
-host tokenizes and batches only its own training shards (every process_count-th pair);
-eval_batches yields the whole split on every host.
+process 0 builds the dataset and trains the vocabulary while the others wait (seq2seq.hosts);
+each host tokenizes and batches only its own training shards (every process_count-th pair),
+all at once; eval_batches yields the whole split on every host.
 """
 import importlib
 import importlib.resources

@@ -8,7 +8,8 @@ TFDS dataset of the catalog (catalog.py) or the embedded numbers task (numbers.p
 
 A corpus is read by example number and never held whole. TFDS datasets are array_record
 files read through TFDS data sources (no TensorFlow), prepared once in cfg.data.data_dir
-("" -> $TFDS_DATA_DIR or ~/tensorflow_datasets) by process 0 and waited for by the others.
+("" -> $TFDS_DATA_DIR or ~/tensorflow_datasets) by process 0, and opened by the others once
+it has (load_dataset's hosts agree on it).
 """
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ import tensorflow_datasets as tfds
 
 from seq2seq.config import Config
 from seq2seq.data import catalog, numbers, parallel_text
-from seq2seq.data.tokenizer import wait_for
 from seq2seq.errors import UserError
 
 log = logging.getLogger("seq2seq.data")
 
-PREPARE_TIMEOUT = 3600.0      # seconds a non-zero process waits for process 0's files
 _READ_CHUNK = 4096
 
 
@@ -91,14 +90,16 @@ class TfdsCorpus:
 
 def _prepare(builder, make_builder, process_index: int, what: str, downloads: bool,
              progress: bool = False) -> tfds.core.DatasetBuilder:
-  """Process 0 builds the dataset (with TFDS's progress bars if `progress`); the others
-  wait until it is there."""
+  """Process 0 builds the dataset (with TFDS's progress bars if `progress`); the others open
+  it once the hosts agreed that process 0 has (seq2seq.hosts)."""
   if builder.is_prepared():
     return builder
   if process_index != 0:
-    wait_for(lambda: make_builder().is_prepared(), f"TFDS dataset {what}", PREPARE_TIMEOUT,
-             poll=5.0)
-    return make_builder()  # re-read now that the files exist
+    builder = make_builder()  # re-read: process 0 wrote the files since
+    if not builder.is_prepared():
+      raise UserError(f"TFDS dataset {what} is not in {builder.data_dir}, though process 0 "
+                      f"prepared it there: give a data_dir on a file system every host shares")
+    return builder
   log.info("preparing TFDS dataset %s in %s", what, builder.data_dir)
   from tensorflow_datasets.core.utils import tqdm_utils
   was = getattr(tqdm_utils, "_active", True)

@@ -13,10 +13,13 @@
 Also <workdir>/train_sources.json: what the training sources were (sources.py).
 
 Sources are lower-cased before tokenizing when data.lowercase_source says (the numbers task).
-A new vocabulary is published as soon as it is trained (the other hosts of a run tokenize
-their shards meanwhile), token ids once every check on the data has passed (the files, the
-shards, the lengths): a refused run leaves no vocabulary or cache of its own behind, and a
-vocabulary it replaced is back.
+On several hosts each stage ends in the hosts' agreement (seq2seq.hosts): process 0 makes
+the vocabulary (and a TFDS dataset) while the others wait; then every host makes its own
+shards' token ids at once (gathered from another host count's where a run stored them);
+then they are published. A refusal on any host stops every host at the agreement it
+reaches next. A new vocabulary is published as soon as it is trained, token ids once every
+check on the data has passed on every host (the files, the shards, the lengths): a refused
+run leaves no vocabulary or cache of its own behind, and a vocabulary it replaced is back.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from seq2seq.data.corpus import open_corpus
 from seq2seq.data.files import atomic_write, cannot_write
 from seq2seq.data.pipeline import TrainStream, apply_length_policy, host_shards, pad_batch
 from seq2seq.data.tokenizer import Tokenizer
+from seq2seq import hosts
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
 
@@ -56,6 +60,7 @@ class Dataset:
     self._made: list[tuple[Path, Path]] = []   # tokenized here, not yet published
     self._published = False
     self.tokenizing_s = self.checking_s = 0.0   # seconds tokenizing; checking stored ids
+    self.regrouped: dict[str, int] = {}   # shards gathered from another count's: that count
     if "train" not in self.splits:
       raise UserError(f"dataset {corpus.name} has no 'train' split "
                       f"(available: {', '.join(self.splits)})")
@@ -69,11 +74,13 @@ class Dataset:
 
   # --- token ids, on disk -------------------------------------------------------------------
 
-  def _token_ids(self, split: str, indices, shard: str) -> token_ids.TokenIds:
-    """The split's (shard's) stored token ids, checked; tokenized if there are none or they
-    are broken (set aside, said in one line)."""
-    where = token_ids.path(self.workdir.data_cache, self.tokenizer,
-                           self.corpus.identity(split), split, shard)
+  def _token_ids(self, split: str, indices, shard: str,
+                 of: tuple[int, int] | None = None) -> token_ids.TokenIds:
+    """The split's (shard's) stored token ids, checked; if there are none (or they are
+    broken: set aside, said in one line), gathered from those of another shard count
+    (shard `of` = (shard, shards); `token_ids.regroup`), else tokenized."""
+    identity = self.corpus.identity(split)
+    where = token_ids.path(self.workdir.data_cache, self.tokenizer, identity, split, shard)
     start = time.perf_counter()
     try:
       ids = token_ids.load(where, self.tokenizer.vocab_size)
@@ -81,11 +88,21 @@ class Dataset:
       warnings.warn(f"{where}: {why}; set aside, tokenizing it again")
       token_ids.set_aside(where)
       ids = None
+    stored = None
+    if ids is None and of is not None:
+      n = self.corpus.num_examples(split)
+      stored = token_ids.stored_shards(self.workdir.data_cache, self.tokenizer, identity,
+                                       split, n, *of)
     self.checking_s += time.perf_counter() - start
     if ids is None:
       made, start = token_ids.staging(where), time.perf_counter()
-      ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
-                               progress=self.progress, published_as=where)
+      if stored is not None:
+        ids = token_ids.regroup(stored, split, n, *of, self.tokenizer, identity, made,
+                                progress=self.progress, published_as=where)
+        self.regrouped[shard] = stored[0]
+      else:
+        ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
+                                 progress=self.progress, published_as=where)
       self.tokenizing_s += time.perf_counter() - start
       self._made.append((made, where))
       if self._published:
@@ -114,8 +131,11 @@ class Dataset:
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
     self._streams, totals, host_examples = [], {}, 0
     self._sources = sources.Tally(self.tokenizer.vocab_size)
+    made = {shard: self._token_ids("train", idx, f"{shard}of{shards}", (shard, shards))
+            for shard, idx in mine.items()}
+    self.corpus.release("train")   # its text is read no more: its index goes before the plans
     for shard, idx in mine.items():
-      ids = self._token_ids("train", idx, f"{shard}of{shards}")
+      ids = made[shard]
       pairs, stats = apply_length_policy(ids.src, ids.tgt, src_limit, tgt_limit,
                                          d.length_policy)
       if stats["kept"] == 0:
@@ -129,7 +149,6 @@ class Dataset:
       self._streams.append(TrainStream(pairs, batch_size=t.batch_size // shards,
                                        seq_len=t.seq_len, pack=d.pack, seed=t.seed,
                                        shard=shard))
-    self.corpus.release("train")   # its text is read no more
     over = totals["dropped_too_long"] + totals["truncated"]
     if over:
       warnings.warn(f"{over} of {host_examples} training pairs are longer than {src_limit} "
@@ -202,6 +221,22 @@ def _process() -> tuple[int, int]:
   return jax.process_index(), jax.process_count()
 
 
+def _open(cfg: Config, process_index: int, progress: bool):
+  corpus = open_corpus(cfg, process_index, progress)
+  if "train" not in corpus.splits:
+    raise UserError(f"dataset {corpus.name} has no 'train' split")
+  return corpus
+
+
+def _tidy(wd: Workdir, corpus, tokenizer: Tokenizer, order_changes: bool) -> None:
+  """What no run of the workdir reads any more: an earlier version's cache, what killed runs
+  left, token ids of another vocabulary or of text that changed."""
+  token_ids.replace_earlier_versions(wd.data_cache, wd, order_changes)
+  token_ids.remove_staging(wd.data_cache)
+  token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
+                            {split: corpus.identity(split) for split in corpus.splits})
+
+
 def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
                  process_index: int | None = None, process_count: int | None = None,
                  progress: bool | None = None) -> Dataset:
@@ -218,31 +253,43 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
     progress = sys.stderr.isatty()
   progress = progress and process_index == 0
   wd = Workdir.of(workdir)
-  clock = [time.perf_counter()]
-  corpus = open_corpus(cfg, process_index, progress)
-  if "train" not in corpus.splits:
-    raise UserError(f"dataset {corpus.name} has no 'train' split")
-  clock.append(time.perf_counter())
-  tokenizer, new, record = vocabulary.vocabulary(cfg, wd, corpus, process_index, progress)
-  clock.append(time.perf_counter())
-  tokenizer.lowercase_source = cfg.data.lowercase_source
+  clock, waited = [time.perf_counter()], hosts.waited()
   made = wd.create()
   had_cache = wd.data_cache.is_dir()
-  replaced = {path: path.read_bytes() if path.is_file() else None   # (a vocabulary no run
-              for path in (wd.vocab, wd.vocab_record)} if new else {}   # uses: kilobytes)
   resuming = wd.checkpoints.is_dir() and any(wd.checkpoints.iterdir())
+  corpus = tokenizer = None
+  replaced = {}   # the files a new vocabulary replaced, put back if the run is refused
   try:
-    if new:   # published first: the other hosts tokenize their shards meanwhile
-      vocabulary.write(wd, tokenizer, record)
-    try:
-      wd.data_cache.mkdir(exist_ok=True)
-    except OSError as e:
-      raise cannot_write(wd.data_cache, e) from None
-    ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
-    ds.publish()
+    with hosts.stage("vocabulary"):   # process 0's: the others wait here for it
+      if process_index == 0 or cfg.data.dataset == "parallel_text":   # (not a TFDS dataset
+        corpus = _open(cfg, process_index, progress)                  # process 0 builds)
+      clock.append(time.perf_counter())
+      if process_index == 0:
+        tokenizer, new, record = vocabulary.vocabulary(cfg, wd, corpus, 0, progress)
+        if new:   # published first: the other hosts tokenize their shards meanwhile
+          replaced = {path: path.read_bytes() if path.is_file() else None   # (kilobytes)
+                      for path in (wd.vocab, wd.vocab_record)}
+          vocabulary.write(wd, tokenizer, record)
+    with hosts.stage("token ids"):   # each host's shards, tokenized at once
+      if corpus is None:
+        corpus = _open(cfg, process_index, progress)
+      if tokenizer is None:   # the one process 0 stored
+        tokenizer = vocabulary.vocabulary(cfg, wd, corpus, process_index)[0]
+      clock.append(time.perf_counter())
+      tokenizer.lowercase_source = cfg.data.lowercase_source
+      try:
+        wd.data_cache.mkdir(exist_ok=True)
+      except OSError as e:
+        raise cannot_write(wd.data_cache, e) from None
+      ds = Dataset(cfg, wd, corpus, tokenizer, process_index, process_count, progress)
+    with hosts.stage("published"):
+      ds.publish()
+      if process_index == 0:
+        _tidy(wd, corpus, tokenizer, resuming and cfg.data.dataset == "parallel_text")
+        sources.write(wd, ds.train_sources())
   except BaseException:   # refused (or interrupted): what it made goes, what it replaced
-    token_ids.remove_staging(wd.data_cache, os.getpid())   # is back
-    if not had_cache:
+    token_ids.remove_staging(wd.data_cache, os.getpid())   # is back (each host its own, and
+    if not had_cache and process_index == 0:                # process 0 the workdir's)
       shutil.rmtree(wd.data_cache, ignore_errors=True)
     for path, data in replaced.items():
       if data is None:
@@ -251,22 +298,16 @@ def load_dataset(cfg: Config, workdir: Workdir | str | os.PathLike, *,
         atomic_write(path, data)
     wd.remove_made(made)
     raise
-  if process_index == 0:
-    token_ids.replace_earlier_versions(wd.data_cache, wd,
-                                       resuming and cfg.data.dataset == "parallel_text")
-    token_ids.remove_staging(wd.data_cache)   # what killed runs left
-    # token ids no run of this workdir can use (another vocabulary, text that changed)
-    token_ids.remove_unusable(wd.data_cache, token_ids.vocabulary_key(tokenizer),
-                              {split: corpus.identity(split) for split in corpus.splits})
-    sources.write(wd, ds.train_sources())
   clock.append(time.perf_counter())
   seconds = dict(zip(("corpus", "vocabulary", "rows"), np.diff(clock).tolist()))
   seconds["token ids"], seconds["checks"] = ds.tokenizing_s, ds.checking_s
-  seconds["rows"] -= ds.tokenizing_s + ds.checking_s
+  seconds["other hosts"] = hosts.waited() - waited   # (waiting for them)
+  seconds["rows"] -= ds.tokenizing_s + ds.checking_s + seconds["other hosts"]
   ds.stats["seconds"] = seconds
   if process_index == 0 and clock[-1] - clock[0] >= LONG:   # what the time went on
     print(f"data ready in {clock[-1] - clock[0]:.0f} s: " + ", ".join(
         f"{k} {seconds[k]:.1f} s" for k in ("corpus", "vocabulary", "token ids", "checks",
-                                            "rows")),
+                                            "rows", "other hosts")
+        if k != "other hosts" or process_count > 1),
         file=sys.stderr, flush=True)
   return ds

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import os
 import stat
+from concurrent import futures
 
 import numpy as np
 
@@ -213,7 +214,8 @@ def _digest(f) -> tuple[str, int, int]:
   while block := f.read(_BLOCK):
     digest.update(block)
     count += block.count(b"\n")
-    lone_cr += block.count(b"\r") - block.count(b"\r\n") - (last == b"\r" and block[:1] == b"\n")
+    if (cr := block.count(b"\r")) or last == b"\r":   # (most text holds none)
+      lone_cr += cr - block.count(b"\r\n") - (last == b"\r" and block[:1] == b"\n")
     text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
     size, last = size + len(block), block[-1:]
   return digest.hexdigest(), (count + (last != b"\n")) if text else 0, lone_cr
@@ -292,6 +294,13 @@ def _read_lines(f, starts: np.ndarray, ends: np.ndarray, idx: np.ndarray) -> lis
   return out
 
 
+def _two_at_a_time(fn, items) -> list:
+  """fn(item) of each item, two at a time (hashing and NumPy let go of the interpreter):
+  the results in order, or the first item's error."""
+  with futures.ThreadPoolExecutor(2) as pool:
+    return [f.result() for f in [pool.submit(fn, x) for x in items]]
+
+
 class TextCorpus:
   """Your parallel text's splits, read by line number (`read`), never held whole."""
 
@@ -302,8 +311,9 @@ class TextCorpus:
     self.src_key, self.tgt_key = (tgt_lang, src_lang) if reverse else (src_lang, tgt_lang)
     self.name = f"parallel_text {files['train'].paths[0]}"
     self.splits = tuple(files)
-    self._text = {split: tuple(TextFile(p, f.is_tsv) for p in f.paths)
-                  for split, f in files.items()}
+    opened = iter(_two_at_a_time(lambda x: TextFile(*x), [(p, f.is_tsv) for f in files.values()
+                                                          for p in f.paths]))
+    self._text = {split: tuple(next(opened) for _ in f.paths) for split, f in files.items()}
     for split, f in self._text.items():
       if len(f) == 2 and len(f[0]) != len(f[1]):
         raise UserError(f"parallel_text: {f[0].path} has {len(f[0])} lines but "
@@ -314,8 +324,7 @@ class TextCorpus:
 
   def check(self, split: str) -> None:
     """The split's files are UTF-8 and well formed (`TextFile.check`)."""
-    for f in self._text[split]:
-      f.check()
+    _two_at_a_time(TextFile.check, self._text[split])
 
   def release(self, split: str) -> None:
     """Forgets the split's line index until it is read again."""
@@ -343,6 +352,7 @@ class TextCorpus:
     if split not in self._text:
       raise UserError(f"dataset {self.name} has no split {split!r} "
                       f"(available: {', '.join(self.splits)})")
+    self.check(split)   # (its files indexed two at a time, before the first read)
     f = self._text[split]
     src, tgt = f[0].columns(indices) if len(f) == 1 else (f[0].lines(indices),
                                                            f[1].lines(indices))

@@ -11,9 +11,12 @@ mapped when read: a corpus of any size costs its offsets in memory, not its toke
                                           and each file's SHA-256
 
 The key names the vocabulary (its SHA-256), the split's pairs (`corpus.identity`) and the
-shard. `tokenize` writes into a hidden directory beside it, which `publish` renames into
-place once the data has passed load_dataset's checks: a reader finds a whole directory or
-none, and a refused run leaves nothing.
+shard. A training shard missing from the cache is gathered from the ids of another count of
+shards where they are stored (`regroup`: a run on another number of hosts, one shard a host,
+copies its shards out of the last run's instead of tokenizing again). `tokenize` and
+`regroup` write into a hidden directory beside it, which `publish` renames into place once
+the data has passed load_dataset's checks: a reader finds a whole directory or none, and a
+refused run leaves nothing.
 
 Trusted as the checkpoints are: before a split is published its ids are checked (each below
 the vocabulary's size, offsets that never decrease, as many ids as the offsets say) and the
@@ -29,6 +32,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import socket
 import sys
@@ -292,24 +296,100 @@ def tokenize(corpus, split: str, indices, tokenizer: Tokenizer, into: Path, *,
   PARALLEL_MIN pairs or more; checks what it wrote and records each file's SHA-256. A file
   that cannot be written is one line (UserError) naming it as it will be published
   (`published_as`, default `into`)."""
-  from tqdm import tqdm
-  shown = Path(published_as or into)
   n = corpus.num_examples(split)
   idx = np.arange(n) if indices is None else np.asarray(indices, np.int64)
-  dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+  dtype = _dtype(tokenizer)
   workers = workers or len(os.sched_getaffinity(0))
+  chunks = (corpus.read(split, idx[a:a + CHUNK]) for a in range(0, len(idx), CHUNK))
+  encoded = _encoded(chunks, tokenizer, dtype, workers if len(idx) >= PARALLEL_MIN else 1)
+  return _write(into, encoded, len(idx), dtype, tokenizer, split, corpus.identity(split),
+                f"tokenizing {split}", progress, Path(published_as or into))
+
+
+def _dtype(tokenizer: Tokenizer):
+  return np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+
+
+# --- another shard count's ids ----------------------------------------------------------------
+
+REGROUP_CHUNK = 1 << 18   # pairs gathered at a time
+_SHARD_NAME = re.compile(r"(?P<split>.+)-(?P<shard>\d+)of(?P<of>\d+)-[0-9a-f]{16}")
+
+
+def stored_shards(cache_dir: Path, tokenizer: Tokenizer, identity: str, split: str, n: int,
+                  shard: int, shards: int) -> tuple[int, dict[int, TokenIds]] | None:
+  """The split's token ids as another count of shards stored them, whole (checked), where
+  they hold every pair of shard `shard` of `shards` (of a split of `n` pairs): (their count,
+  {their shard: its ids} of those needed), or None. A run on another number of hosts (one
+  shard a host) finds the ids the last one made."""
+  names = (_SHARD_NAME.fullmatch(p.name) for p in Path(cache_dir).iterdir())
+  counts = {int(m["of"]) for m in names if m and m["split"] == split} - {shards}
+  for of in sorted(counts):
+    need = np.unique(np.arange(shard, min(n, shard + shards * of), shards) % of).tolist()
+    found = {}
+    for s in need:
+      try:
+        ids = load(path(cache_dir, tokenizer, identity, split, f"{s}of{of}"),
+                   tokenizer.vocab_size)
+      except Broken:   # (a run with that many shards sets it aside)
+        ids = None
+      if ids is None or len(ids.src) != len(range(s, n, of)):
+        break
+      found[s] = ids
+    else:
+      return of, found
+  return None
+
+
+def regroup(stored: tuple[int, dict[int, TokenIds]], split: str, n: int, shard: int,
+            shards: int, tokenizer: Tokenizer, identity: str, into: Path, *,
+            progress: bool = False, published_as: Path | None = None) -> TokenIds:
+  """Shard `shard` of `shards` of a split of `n` pairs (its pairs shard, shard + shards,
+  ...) gathered from the ids another count of shards stored (`stored_shards`) into the new
+  directory `into`: the files tokenizing it would write, at the speed of a copy."""
+  of, found = stored
+  pairs = np.arange(shard, n, shards)
+
+  def chunks():
+    for a in range(0, len(pairs), REGROUP_CHUNK):
+      i = pairs[a:a + REGROUP_CHUNK]
+      where, at = i % of, i // of   # pair i is pair i // of of stored shard i % of
+      out = []
+      for side in SIDES:
+        lens, parts = np.zeros(len(i), np.int64), []
+        for s, ids in found.items():
+          mine = np.flatnonzero(where == s)
+          offsets = getattr(ids, side).offsets
+          starts = offsets[at[mine]].astype(np.int64)
+          lens[mine] = offsets[at[mine] + 1] - starts
+          parts.append((mine, ids.read(side, starts, lens[mine])))
+        tokens = np.empty(int(lens.sum()), _dtype(tokenizer))
+        first = np.cumsum(lens) - lens
+        for mine, read in parts:
+          tokens[gather_index(first[mine], lens[mine])] = read
+        out += [tokens, lens]
+      yield tuple(out)
+  return _write(into, chunks(), len(pairs), _dtype(tokenizer), tokenizer, split, identity,
+                f"regrouping {split}", progress, Path(published_as or into))
+
+
+def _write(into: Path, encoded, pairs: int, dtype, tokenizer: Tokenizer, split: str,
+           identity: str, desc: str, progress: bool, shown: Path) -> TokenIds:
+  """Writes the (src ids, src lengths, tgt ids, tgt lengths) of each chunk of `encoded`
+  into the new directory `into` with their offsets and piece counts, checks them and records
+  each file's SHA-256 (meta.json). A file that cannot be written is one line naming it
+  (`shown`)."""
+  from tqdm import tqdm
   lens = {"src": [np.zeros(1, np.int64)], "tgt": [np.zeros(1, np.int64)]}
   pieces = np.zeros(tokenizer.vocab_size, np.int64)
-  bar = tqdm(total=len(idx), desc=f"tokenizing {split}", unit=" pairs", unit_scale=True,
-             disable=not progress, delay=BAR_DELAY, file=sys.stderr)
-  chunks = (corpus.read(split, idx[a:a + CHUNK]) for a in range(0, len(idx), CHUNK))
+  bar = tqdm(total=pairs, desc=desc, unit=" pairs", unit_scale=True, disable=not progress,
+             delay=BAR_DELAY, file=sys.stderr)
   writing = ""
   try:
     into.mkdir(parents=True)
     writing = "src.ids"
     with open(into / "src.ids", "wb") as src_f, open(into / "tgt.ids", "wb") as tgt_f:
-      for src, src_lens, tgt, tgt_lens in _encoded(chunks, tokenizer, dtype,
-                                                    workers if len(idx) >= PARALLEL_MIN else 1):
+      for src, src_lens, tgt, tgt_lens in encoded:
         writing = "src.ids"
         src_f.write(src.tobytes())
         writing = "tgt.ids"
@@ -328,15 +408,15 @@ def tokenize(corpus, split: str, indices, tokenizer: Tokenizer, into: Path, *,
     np.save(into / writing, pieces)
     try:   # what is on disk: checked, and its SHA-256 kept
       scans = _scan_all(into, dtype)
-      ids = _opened(into, dtype, len(idx), scans, tokenizer.vocab_size)
+      ids = _opened(into, dtype, pairs, scans, tokenizer.vocab_size)
     except Broken as e:
       raise UserError(f"the token ids made for {shown} fail their check ({e}): nothing was "
                       f"kept; run again, and report it if it happens again") from None
     writing = "meta.json"
     (into / writing).write_text(json.dumps(
-        {"format": FORMAT, "dtype": np.dtype(dtype).name, "pairs": int(len(idx)),
+        {"format": FORMAT, "dtype": np.dtype(dtype).name, "pairs": int(pairs),
          "split": split, "vocab_size": tokenizer.vocab_size,
-         "vocabulary": vocabulary_key(tokenizer), "identity": corpus.identity(split),
+         "vocabulary": vocabulary_key(tokenizer), "identity": identity,
          "sha256": {name: scans[name][0] for name in FILES}}))
   except OSError as e:
     raise cannot_write(shown / writing if writing else shown, e) from None

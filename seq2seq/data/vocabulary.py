@@ -3,8 +3,8 @@ the workdir (<workdir>/vocab.model) with a record of what it was built from (voc
 the training data's identity, the SentencePiece settings, its SHA-256).
 
 A stored vocabulary is reused only if it was built from the same data and settings, or if a
-run (config.json) already depends on it. Process 0 trains it; the other hosts wait for the
-file. SentencePiece trains in a child process: its memory (~24 bytes a character of the
+run (config.json) already depends on it. Process 0 trains it; the other hosts read the file
+once the hosts agreed that it is there. SentencePiece trains in a child process: its memory (~24 bytes a character of the
 sample for the unigram model) is the system's again when it ends, and its log drives a
 progress bar. The sample holds at most SPM_MAX_PAIRS pairs and SPM_MAX_BYTES of text.
 """
@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from seq2seq.config import Config
-from seq2seq.data.files import atomic_write, cannot_write, wait_for
+from seq2seq.data.files import atomic_write, cannot_write
 from seq2seq.data.tokenizer import Tokenizer, normalize_source
 from seq2seq.errors import UserError
 from seq2seq.workdir import Workdir
@@ -34,7 +34,6 @@ from seq2seq.workdir import Workdir
 NUMBERS_MAX_VOCAB = 1024      # the numbers task needs ~370 ids (260 are specials + bytes)
 SPM_MAX_PAIRS = 500_000       # SentencePiece trains on at most this many training pairs...
 SPM_MAX_BYTES = 80_000_000    # ...holding at most this much text (~2 GB of its memory)
-PREPARE_TIMEOUT = 3600.0      # seconds a non-zero process waits for process 0's vocabulary
 _CHUNK = 50_000               # pairs read at a time
 BAR_DELAY = 1.0               # seconds before the progress bar shows (none for short work)
 
@@ -120,18 +119,18 @@ def _stored(wd: Workdir, record_now: dict) -> tuple[bytes | None, str]:
 def vocabulary(cfg: Config, wd: Workdir, corpus, process_index: int = 0,
                progress: bool = False) -> tuple[Tokenizer, bool, dict]:
   """(the tokenizer, whether it is new and still to be written by `write`, its record).
-  Process 0 reuses the stored vocabulary or trains one; the others wait for the one process
-  0 writes."""
+  Process 0 reuses the stored vocabulary or trains one; the others read the one process 0
+  stored (after the hosts agreed that it did: seq2seq.hosts)."""
   record = built_from(cfg, corpus)
   path = wd.vocab
   if process_index != 0:
-    def ready():
-      proto, why = _stored(wd, record)
-      return proto is not None and not why
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():   # (process 0 says what it decided)
       warnings.simplefilter("ignore")
-      wait_for(ready, str(path), PREPARE_TIMEOUT)
-    return Tokenizer.load(str(path)), False, record
+      proto, why = _stored(wd, record)
+    if proto is None or why:
+      raise UserError(f"{path}: {why or 'not there'}, though process 0 stored the run's "
+                      f"vocabulary: is the workdir on a file system every host shares?")
+    return Tokenizer(proto, str(path)), False, record
   proto, why = _stored(wd, record)
   if proto is not None:
     try:
