@@ -70,6 +70,20 @@ def test_text_file_reads_lines_as_textio_does(tmp_path, monkeypatch, block, span
     assert f.lines([]) == []
 
 
+def test_an_index_of_other_than_the_lines_counted_says_the_file_changed(tmp_path):
+  """The index is written into arrays sized by the line count taken when the file was
+  opened: a file that now holds more or fewer lines gives no index (no SHA-256), never one
+  written past its end."""
+  path = tmp_path / "t.txt"
+  path.write_bytes(b"a\nb\r\nc")
+  with open(path, "rb") as f:
+    sha, starts, ends, _ = parallel_text._index(f, str(path), False, 3)
+  assert sha is not None and starts.tolist() == [0, 2, 5] and ends.tolist() == [1, 3, 6]
+  for lines in (2, 4, 0):
+    with open(path, "rb") as f:
+      assert parallel_text._index(f, str(path), False, lines)[0] is None
+
+
 def test_error_whitespace_only_and_bom_only_files(tmp_path):
   for data in (b"  \n \n", b"\xef\xbb\xbf", b"\n"):
     _bad(tmp_path, **{"t.en": data, "t.fr": b"x\n"})

@@ -145,7 +145,8 @@ class TextFile:
       with self._open() as f:
         self._check_unchanged(f)
         try:
-          sha256, self.starts, self.ends, self.tabs = _index(f, self.path, self.tsv)
+          sha256, self.starts, self.ends, self.tabs = _index(f, self.path, self.tsv,
+                                                             self._len)
         except OSError as e:
           self._unreadable(e)
         self._check_unchanged(f)
@@ -221,13 +222,17 @@ def _digest(f) -> tuple[str, int, int]:
   return digest.hexdigest(), (count + (last != b"\n")) if text else 0, lone_cr
 
 
-def _index(f, path: str, tsv: bool):
-  """(SHA-256, starts, ends, tab offsets or None) of an open file's lines; UserError if it
-  is not UTF-8 or (tsv) a line has not exactly one tab."""
+def _index(f, path: str, tsv: bool, lines: int):
+  """(SHA-256, starts, ends, tab offsets or None) of an open file of `lines` lines (as
+  `_digest` counted them; else the SHA-256 is None: it changed); UserError if it is not UTF-8
+  or (tsv) a line has not exactly one tab. The offsets are written in place as the blocks
+  are read: 17 bytes a line at most, at any time."""
   decoder = codecs.getincrementaldecoder("utf-8")()
   digest = hashlib.sha256()
-  newlines, before_newline, tabs = [], [], []
-  size, last, first = 0, 10, b""
+  ends = np.empty(lines, np.int64)   # first each line's "\n", then where its text ends
+  cr = np.zeros(lines, bool)         # its "\n" follows a "\r"
+  tabs = []
+  size, last, first, k = 0, 10, b"", 0
   while block := f.read(_BLOCK):
     digest.update(block)
     try:
@@ -237,11 +242,13 @@ def _index(f, path: str, tsv: bool):
       _raise_not_utf8(path)
     data = np.frombuffer(block, np.uint8)
     nl = np.flatnonzero(data == 10)
-    prev = data[np.maximum(nl - 1, 0)]
+    if k + len(nl) > lines:
+      return None, None, None, None
+    ends[k:k + len(nl)] = nl + size
+    cr[k:k + len(nl)] = data[np.maximum(nl - 1, 0)] == 13
     if len(nl) and nl[0] == 0:
-      prev[0] = last
-    newlines.append(nl + size)
-    before_newline.append(prev == 13)
+      cr[k] = last == 13
+    k += len(nl)
     if tsv:
       tabs.append(np.flatnonzero(data == 9) + size)
     first = first or block[:3]
@@ -250,13 +257,19 @@ def _index(f, path: str, tsv: bool):
     decoder.decode(b"", final=True)
   except UnicodeDecodeError:
     _raise_not_utf8(path)
-  nl = np.concatenate(newlines or [np.zeros(0, np.int64)])
-  starts = np.concatenate([[0], nl + 1]).astype(np.int64)
-  ends = np.concatenate([nl, [size]]).astype(np.int64)
-  cr = np.concatenate([*before_newline, [last == 13]])
-  if size == 0 or last == 10:          # nothing after the last "\\n": not a line
-    starts, ends, cr = starts[:-1], ends[:-1], cr[:-1]
+  if size and last != 10:   # a last line with no "\n"
+    if k == lines:
+      return None, None, None, None
+    ends[k], cr[k] = size, last == 13
+    k += 1
+  if k != lines:
+    return None, None, None, None
+  starts = np.empty(lines, np.int64)
+  if lines:
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
   ends -= cr
+  del cr
   if size >= 3 and first == _BOM:
     starts[0] += 3
   if not tsv:

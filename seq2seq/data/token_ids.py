@@ -380,7 +380,7 @@ def _write(into: Path, encoded, pairs: int, dtype, tokenizer: Tokenizer, split: 
   each file's SHA-256 (meta.json). A file that cannot be written is one line naming it
   (`shown`)."""
   from tqdm import tqdm
-  lens = {"src": [np.zeros(1, np.int64)], "tgt": [np.zeros(1, np.int64)]}
+  lens = {"src": [np.zeros(1, np.uint32)], "tgt": [np.zeros(1, np.uint32)]}   # (a line's)
   pieces = np.zeros(tokenizer.vocab_size, np.int64)
   bar = tqdm(total=pairs, desc=desc, unit=" pairs", unit_scale=True, disable=not progress,
              delay=BAR_DELAY, file=sys.stderr)
@@ -394,15 +394,16 @@ def _write(into: Path, encoded, pairs: int, dtype, tokenizer: Tokenizer, split: 
         src_f.write(src.tobytes())
         writing = "tgt.ids"
         tgt_f.write(tgt.tobytes())
-        lens["src"].append(src_lens)
-        lens["tgt"].append(tgt_lens)
+        lens["src"].append(src_lens.astype(np.uint32))
+        lens["tgt"].append(tgt_lens.astype(np.uint32))
         pieces += np.bincount(src, minlength=len(pieces))[:len(pieces)]
         bar.update(len(src_lens))
       writing = "tgt.ids"
     bar.close()
     for side, parts in lens.items():
       writing = f"{side}.offsets.npy"
-      offsets = np.cumsum(np.concatenate(parts))
+      offsets = np.cumsum(np.concatenate(parts), dtype=np.int64)
+      parts.clear()
       np.save(into / writing, offsets.astype(np.uint32) if offsets[-1] < 1 << 32 else offsets)
     writing = "src_pieces.npy"
     np.save(into / writing, pieces)
