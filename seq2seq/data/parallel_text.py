@@ -213,9 +213,10 @@ def _digest(f) -> tuple[str, int, int]:
   digest = hashlib.sha256()
   size, count, lone_cr, last, text = 0, 0, 0, b"\n", False
   while block := f.read(_BLOCK):
-    digest.update(block)
-    count += block.count(b"\n")
-    if (cr := block.count(b"\r")) or last == b"\r":   # (most text holds none)
+    digest.update(block)   # (hashing and NumPy's count let go of the interpreter)
+    count += int(np.count_nonzero(np.frombuffer(block, np.uint8) == 10))
+    if b"\r" in block or last == b"\r":   # (most text holds none)
+      cr = block.count(b"\r")
       lone_cr += cr - block.count(b"\r\n") - (last == b"\r" and block[:1] == b"\n")
     text = text or bool((block[3:] if size == 0 and block.startswith(_BOM) else block).strip())
     size, last = size + len(block), block[-1:]
