@@ -210,7 +210,7 @@ def test_the_plans_python_loop_says_why_once(tmp_path, case):
                      text=True, timeout=120)
   assert p.returncode == 0, p.stderr[-2000:]
   said = {"no compiler": ["the packing plan runs its Python loop, ~50x slower than "
-                          "first_fit.c: no C compiler (cc, gcc or clang) on PATH"],
+                          "first_fit.c: no C compiler (cc, gcc or clang; or set CC) on PATH"],
           "a compiler that fails": ["the packing plan runs its Python loop, ~50x slower "
                                     "than first_fit.c: /bin/false failed on first_fit.c: "
                                     "exit 1"],

@@ -217,15 +217,18 @@ def test_the_build_is_cached_and_a_failing_compiler_is_one_line(tmp_path, monkey
   bad.write_text("#!/bin/sh\necho 'x.cc:1: error: not today' >&2\nexit 1\n")
   bad.chmod(0o755)
   monkeypatch.setenv("CXX", str(bad))
-  with pytest.raises(RuntimeError, match="bad-cxx failed: x.cc:1: error: not today"):
+  with pytest.raises(RuntimeError, match="bad-cxx failed on decode_attention.cc, top_k.cc: "
+                                        "x.cc:1: error: not today"):
     native.build(tmp_path / "other")
   assert list((tmp_path / "other").iterdir()) == []
 
 
 @pytest.mark.slow   # decodes in a subprocess with the kernel turned off
-def test_without_the_kernel_decoding_runs_on_xlas_attention(tmp_path):
-  """SEQ2SEQ_NATIVE=off (or no compiler): available() is False with the reason, the cache
-  stays float32 for bf16 models, and a bf16 decode runs."""
+@pytest.mark.parametrize("case", ["off", "a compiler that fails"])
+def test_without_the_kernel_decoding_runs_on_xlas_attention(tmp_path, case):
+  """SEQ2SEQ_NATIVE=off (or a compiler that fails): available() is False with the reason,
+  the cache stays float32 for bf16 models, and a bf16 decode runs; where the kernel was not
+  turned off, a warning says why, once."""
   code = """
 import jax, numpy as np, seq2seq
 from seq2seq import decoding, search
@@ -237,8 +240,15 @@ params = Transformer(cfg).init(jax.random.key(0), src, src)
 r = decoding.decode(cfg, params, src, search.Greedy(), bos_id=1, eos_id=2, max_len=6)
 print(native.available(), native.unavailable_reason(), cpu.cache_dtype(cfg), r.tokens.shape)
 """
-  env = {**os.environ, "SEQ2SEQ_NATIVE": "off", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "SEQ2SEQ_NATIVE_DIR": str(tmp_path)}
+  if case == "off":
+    env["SEQ2SEQ_NATIVE"], why = "off", ["SEQ2SEQ_NATIVE=off"]
+  else:
+    env.pop("SEQ2SEQ_NATIVE", None)
+    env["CXX"], why = "/bin/false", "/bin/false failed on decode_attention.cc, top_k.cc: exit 1".split()
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
-  assert p.stdout.split() == ["False", "SEQ2SEQ_NATIVE=off", "float32", "(2,", "1,", "6)"]
+  assert p.stdout.split() == ["False", *why, "float32", "(2,", "1,", "6)"]
+  said = [l for l in p.stderr.splitlines() if "Warning: decoding's attention runs XLA's" in l]
+  assert len(said) == (case != "off"), p.stderr[-2000:]

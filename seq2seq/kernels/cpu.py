@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from seq2seq import native_build
 from seq2seq.kernels import native, reference
 
 
@@ -147,8 +148,14 @@ DECODE_QUERIES = 16   # queries per row up to which attention is a decode step's
 
 
 def _native() -> bool:
-  """Whether the C++ decode attention runs here (a CPU backend, the kernel built)."""
-  return jax.default_backend() == "cpu" and native.available()
+  """Whether the C++ decode attention runs here (a CPU backend, the kernel built); on a CPU
+  without it, says once why."""
+  if jax.default_backend() != "cpu":
+    return False
+  if not native.available():
+    native_build.say_why_without("decoding's attention runs XLA's code, slower than the C++ "
+                                 "kernel", native.unavailable_reason())
+  return native.available()
 
 
 @jax.custom_vjp

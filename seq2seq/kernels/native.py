@@ -4,29 +4,23 @@ once from its cache (bfloat16 or float32), in place or through beam search's tab
 `top_k_logsumexp` (top_k.cc), a row's best entries and its logsumexp in one read.
 
 The library is built for this CPU (-march=native, or SEQ2SEQ_NATIVE_MARCH's value, e.g.
-x86-64-v3 for AVX2 only; ~2 s) into SEQ2SEQ_NATIVE_DIR (default
-$XDG_CACHE_HOME/seq2seq/native, i.e. ~/.cache/seq2seq/native), named by a hash of the
-sources, the compiler and its flags, JAX's and jaxlib's versions and the CPU's flags, so
-a later process loads it in milliseconds. Without a compiler, with a build that fails, or with
-SEQ2SEQ_NATIVE=off, `available()` is False and the kernel tables keep XLA's own code: the
-same function, slower (`unavailable_reason()` says why).
+x86-64-v3 for AVX2 only; ~2 s), as all native code is (`seq2seq.native_build`), its name
+depending also on JAX's and jaxlib's versions and the CPU's flags. Without a compiler, with a
+build that fails, or with SEQ2SEQ_NATIVE=off, `available()` is False and the kernel tables
+keep XLA's own code: the same function, slower (`unavailable_reason()` says why).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import jaxlib
 
-from seq2seq import compile_cache
+from seq2seq import native_build
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode_attention.cc", "top_k.cc"))
 HEADERS = (Path(__file__).with_name("fast_exp.h"),)
@@ -43,8 +37,7 @@ _why_not = ""
 
 
 def _compiler() -> str | None:
-  found = (shutil.which(n) for n in (os.environ.get("CXX"), "c++", "g++", "clang++") if n)
-  return next((path for path in found if path), None)
+  return native_build.compiler("C++")
 
 
 def _cpu_flags() -> str:
@@ -55,47 +48,20 @@ def _cpu_flags() -> str:
     return ""
 
 
-def default_dir() -> Path:
-  return compile_cache.default_dir().parent / "native"   # beside the compiled programs
-
-
 def build(where: Path | None = None) -> Path:
   """The compiled library, built now if this source, compiler, JAX and CPU have none yet.
-  Raises RuntimeError (with the compiler's first error) when it cannot be built."""
-  cxx = _compiler()
-  if cxx is None:
-    raise RuntimeError("no C++ compiler (c++, g++ or clang++; or set CXX)")
-  where = Path(where or os.environ.get("SEQ2SEQ_NATIVE_DIR") or default_dir())
-  flags = (*FLAGS, f"-march={os.environ.get('SEQ2SEQ_NATIVE_MARCH') or 'native'}")
-  key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES + HEADERS), cxx, *flags,
-                                  jax.__version__, jaxlib.__version__,
-                                  _cpu_flags()]).encode()).hexdigest()[:16]
-  lib = where / f"seq2seq_kernels-{key}.so"
-  if lib.exists():
-    return lib
-  where.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)   # then renamed: concurrent builds
-  os.close(fd)                                          # each write whole files
-  try:
-    p = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES),
-                        "-o", tmp], capture_output=True, text=True)
-    if p.returncode != 0:
-      first = next((l for l in p.stderr.splitlines() if "error" in l), p.stderr.strip())
-      raise RuntimeError(f"{Path(cxx).name} failed: {first[:300]}")
-    os.replace(tmp, lib)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  return lib
+  Raises native_build.Unavailable (a RuntimeError, with the compiler's first error) when it
+  cannot be built."""
+  flags = (*FLAGS, f"-march={os.environ.get('SEQ2SEQ_NATIVE_MARCH') or 'native'}",
+           "-I", jax.ffi.include_dir())
+  return native_build.build("kernels", "C++", SOURCES, flags, headers=HEADERS, where=where,
+                            depends_on=(jax.__version__, jaxlib.__version__, _cpu_flags()))
 
 
 @functools.cache
 def available() -> bool:
   """Whether the kernels are built, loaded and registered with XLA:CPU in this process."""
   global _why_not
-  if os.environ.get("SEQ2SEQ_NATIVE", "").lower() in ("off", "0", "false", "no"):
-    _why_not = "SEQ2SEQ_NATIVE=off"
-    return False
   try:
     path = build()
     lib = ctypes.cdll.LoadLibrary(str(path))
