@@ -68,6 +68,25 @@ def test_each_pairs_ids_here_or_over_worker_processes(corpus, monkeypatch):
   assert token_ids.load(root / "nothing", 300) is None
 
 
+def test_the_text_index_goes_once_the_last_chunk_is_read(corpus, monkeypatch):
+  """With release, the split's line index is let go when its last chunk has been read,
+  before the ids are gathered and checked; the ids are those tokenizing without it makes."""
+  root, text, tok = corpus
+  monkeypatch.setattr(token_ids, "CHUNK", 128)
+  files = text._text["train"]
+  held_while_checking = []
+  scan_all = token_ids._scan_all
+  monkeypatch.setattr(token_ids, "_scan_all", lambda *a: (
+      held_while_checking.append([f.starts is not None for f in files]), scan_all(*a))[1])
+  kept = token_ids.tokenize(text, "train", None, tok, root / "kept", workers=1)
+  released = token_ids.tokenize(text, "train", None, tok, root / "released", workers=1,
+                                release=True)
+  assert held_while_checking == [[True, True], [False, False]]
+  for side in ("src", "tgt"):
+    np.testing.assert_array_equal(getattr(released, side).flat, getattr(kept, side).flat)
+  assert text.read("train", [5]) == ([text.read("train")[0][5]], [text.read("train")[1][5]])
+
+
 def test_a_run_stopped_while_tokenizing_leaves_nothing(tmp_path, monkeypatch):
   prefix = dtest.write_moses(str(tmp_path / "c" / "train"), dtest.sentence_pairs(400, 1))
   monkeypatch.setattr(token_ids, "CHUNK", 50)

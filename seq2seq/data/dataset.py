@@ -75,10 +75,11 @@ class Dataset:
   # --- token ids, on disk -------------------------------------------------------------------
 
   def _token_ids(self, split: str, indices, shard: str,
-                 of: tuple[int, int] | None = None) -> token_ids.TokenIds:
+                 of: tuple[int, int] | None = None, last: bool = False) -> token_ids.TokenIds:
     """The split's (shard's) stored token ids, checked; if there are none (or they are
     broken: set aside, said in one line), gathered from those of another shard count
-    (shard `of` = (shard, shards); `token_ids.regroup`), else tokenized."""
+    (shard `of` = (shard, shards); `token_ids.regroup`), else tokenized (`last`: the split's
+    text is read no more after, and its index goes once it is read)."""
     identity = self.corpus.identity(split)
     where = token_ids.path(self.workdir.data_cache, self.tokenizer, identity, split, shard)
     start = time.perf_counter()
@@ -102,7 +103,7 @@ class Dataset:
         self.regrouped[shard] = stored[0]
       else:
         ids = token_ids.tokenize(self.corpus, split, indices, self.tokenizer, made,
-                                 progress=self.progress, published_as=where)
+                                 progress=self.progress, published_as=where, release=last)
       self.tokenizing_s += time.perf_counter() - start
       self._made.append((made, where))
       if self._published:
@@ -131,7 +132,8 @@ class Dataset:
     src_limit, tgt_limit = min(d.max_src_len, t.seq_len), min(d.max_tgt_len, t.seq_len)
     self._streams, totals, host_examples = [], {}, 0
     self._sources = sources.Tally(self.tokenizer.vocab_size)
-    made = {shard: self._token_ids("train", idx, f"{shard}of{shards}", (shard, shards))
+    made = {shard: self._token_ids("train", idx, f"{shard}of{shards}", (shard, shards),
+                                   last=shard == max(mine))
             for shard, idx in mine.items()}
     self.corpus.release("train")   # its text is read no more: its index goes before the plans
     for shard, idx in mine.items():

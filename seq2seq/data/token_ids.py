@@ -290,18 +290,24 @@ def _alive(pid: int) -> bool:
 
 def tokenize(corpus, split: str, indices, tokenizer: Tokenizer, into: Path, *,
              progress: bool = False, workers: int | None = None,
-             published_as: Path | None = None) -> TokenIds:
+             published_as: Path | None = None, release: bool = False) -> TokenIds:
   """Tokenizes pairs `indices` (default: all) of `split` into the new directory `into`,
   CHUNK pairs at a time, over `workers` processes (default: one a core) when there are
   PARALLEL_MIN pairs or more; checks what it wrote and records each file's SHA-256. A file
   that cannot be written is one line (UserError) naming it as it will be published
-  (`published_as`, default `into`)."""
+  (`published_as`, default `into`). With `release`, the corpus forgets the split's line
+  index once its last chunk is read, before the ids are gathered and checked."""
   n = corpus.num_examples(split)
   idx = np.arange(n) if indices is None else np.asarray(indices, np.int64)
   dtype = _dtype(tokenizer)
   workers = workers or len(os.sched_getaffinity(0))
-  chunks = (corpus.read(split, idx[a:a + CHUNK]) for a in range(0, len(idx), CHUNK))
-  encoded = _encoded(chunks, tokenizer, dtype, workers if len(idx) >= PARALLEL_MIN else 1)
+
+  def chunks():
+    for a in range(0, len(idx), CHUNK):
+      yield corpus.read(split, idx[a:a + CHUNK])
+    if release:
+      corpus.release(split)
+  encoded = _encoded(chunks(), tokenizer, dtype, workers if len(idx) >= PARALLEL_MIN else 1)
   return _write(into, encoded, len(idx), dtype, tokenizer, split, corpus.identity(split),
                 f"tokenizing {split}", progress, Path(published_as or into))
 
