@@ -199,8 +199,8 @@ def run_train(args: list[str], log: str, hosts: int = 1) -> dict:
   """train.py with `args` in new processes, `hosts` of them as the hosts of one run
   (jax.distributed over loopback): seconds to the first step, the data phases (process 0's
   lines), and each process's peak resident memory with its children's, before the first
-  step and in all (the largest of them as peak_data_gb / peak_gb), with what process 0 last
-  printed when its peak before the first step was reached and how much of it was file pages."""
+  step and in all (the largest of them as peak_data_gb / peak_gb), and how much of process
+  0's peak before the first step was file pages."""
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
   port = _free_port()
   start = time.perf_counter()
@@ -211,7 +211,7 @@ def run_train(args: list[str], log: str, hosts: int = 1) -> dict:
       for i in range(hosts)]
   seen, done = {}, threading.Event()
   peak = {"all": [0] * hosts, "data": [0] * hosts}
-  last_line, at_peak = [""], {"line": "", "file_gb": 0.0}
+  at_peak = {"file_gb": 0.0}
 
   def watch():
     while not done.is_set():   # (not p.poll(): os.wait4 below reaps them, with their usage)
@@ -220,16 +220,14 @@ def run_train(args: list[str], log: str, hosts: int = 1) -> dict:
         if "training" not in seen and rss > peak["data"][i]:
           peak["data"][i] = rss
           if i == 0:
-            at_peak.update(line=last_line[0], file_gb=shared / 1e9)
+            at_peak["file_gb"] = shared / 1e9
       time.sleep(0.1)
   threading.Thread(target=watch, daemon=True).start()
 
   def echo(i):   # each process's output to its log; process 0's lines timed
     with open(log if i == 0 else f"{log}.{i}", "w") as out:
-      for line in procs[i].stdout:   # (a progress bar's "\r" ends a line here)
+      for line in procs[i].stdout:
         out.write(line)
-        if i == 0 and line.strip():
-          last_line[0] = line.strip()[:120]
         now = time.perf_counter() - start
         for key, pattern in (("training", r"^training \d+-d"), ("first_step", r"first step in"),
                              ("data", r"^data ready in")):
@@ -258,7 +256,7 @@ def run_train(args: list[str], log: str, hosts: int = 1) -> dict:
               peak_data_gb=max(peak["data"]) / 1e9, peak_gb=max(peak["all"]) / 1e9,
               per_process_peak_data_gb=[x / 1e9 for x in peak["data"]],
               per_process_peak_gb=[x / 1e9 for x in peak["all"]],
-              peak_data_file_gb=at_peak["file_gb"], peak_data_during=at_peak["line"],
+              peak_data_file_gb=at_peak["file_gb"],
               ru_maxrss_gb=maxrss, log=log)
 
 
@@ -336,9 +334,8 @@ def bench_scale(sizes: list[int], bible: str, root: str, hosts=(1,), eval_pairs:
             + (f"; checking its token ids {again['check_s']:.2f} s" if h == 1 else "")
             + (f"; the 1-host workdir resumed here {other['to_first_step_s']:.1f} s, "
                f"{other['peak_data_gb']:.2f} GB" if other else "")
-            + f"\n{'':>18}   first run's peak before its first step "
-              f"({first['peak_data_file_gb']:.2f} GB of it file pages) during: "
-              f"{first['peak_data_during']!r}", flush=True)
+            + f" (file pages: {first['peak_data_file_gb']:.2f} GB of the first run's peak "
+              f"before its first step)", flush=True)
   return rows
 
 
