@@ -47,14 +47,7 @@ def parse_args(argv):
                  help="compile the train step, say in one line whether its batch fits the "
                       "device (and if not, the batch that does), and exit: on the GPU or "
                       "TPU here, or offline for TARGET (h100, h200, v5e, v6e; h100:8 for 8)")
-  args, rest = p.parse_known_args(argv)
-  overrides = []
-  for r in rest:
-    if r.startswith("--config.") and "=" in r:
-      overrides.append(r[len("--config."):])
-    else:
-      p.error(f"unrecognized argument {r}")
-  return args, overrides
+  return p.parse_with_overrides(argv)
 
 
 def config_items(args, overrides: list[str]) -> list[str]:

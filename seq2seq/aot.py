@@ -523,14 +523,7 @@ def parse_args(argv):
   p.add_argument("--check_memory", action="store_true",
                  help="if the train step does not fit, also find a batch that does")
   p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
-  args, rest = p.parse_known_args(argv)
-  overrides = []
-  for r in rest:
-    if r.startswith("--config.") and "=" in r:
-      overrides.append(r[len("--config."):])
-    else:
-      p.error(f"unrecognized argument {r}")
-  return args, overrides
+  return p.parse_with_overrides(argv)
 
 
 def main(argv=None) -> int:

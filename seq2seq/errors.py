@@ -38,3 +38,14 @@ class ArgumentParser(argparse.ArgumentParser):
     else:
       args = [spelt(a) for a in args]
     return super().parse_known_args(args, namespace)
+
+  def parse_with_overrides(self, args=None):
+    """(the flags, the KEY=VALUE of each --config.KEY=VALUE); any other flag is an error."""
+    known, rest = self.parse_known_args(args)
+    overrides = []
+    for r in rest:
+      if r.startswith("--config.") and "=" in r:
+        overrides.append(r[len("--config."):])
+      else:
+        self.error(f"unrecognized argument {r}")
+    return known, overrides
