@@ -340,7 +340,7 @@ def test_a_write_that_fails_is_one_line_and_leaves_the_workdir_as_it_was(
                      ["bash", "-c", 'mkdir "$0" && TMPDIR="$0" exec "$@"', str(tmp),
                       sys.executable, str(ROOT / "train.py"), *train_args(corpus, at)])
   file = {"token ids": at / "data_cache", "vocabulary": at / "vocab.model",
-          "vocabulary's sample": tmp / "seq2seq-vocabulary-"}[what]
+          "vocabulary's sample": f"{tmp}:"}[what]
   last = one_error_line(p)
   assert last.startswith(f"error: cannot write {file}") and why in last, last
   assert (files(workdir) if workdir.exists() else None) == before
@@ -528,12 +528,15 @@ def ended(p: psutil.Process) -> bool:
 def test_the_data_paths_processes_end_with_the_run(tmp_path, phase):
   """A run killed (SIGKILL) while SentencePiece trains in its child process, or while its
   workers tokenize: every process it started ends within seconds (the tokenizing workers
-  and multiprocessing's resource tracker, or the trainer, used to live on, orphaned); the
+  and multiprocessing's resource tracker, or the trainer, used to live on, orphaned), and
+  nothing is left in TMPDIR (the vocabulary's sample used to stay there, named); the
   next run makes the same token ids as an uninterrupted one."""
   (tmp_path / "c").mkdir()
+  (tmp_path / "tmp").mkdir()
   prefix = random_words_corpus(tmp_path / "c" / "train", 100_000)
   run = subprocess.Popen([sys.executable, "-c", LOAD, str(ROOT), str(prefix),
-                          str(tmp_path / "w"), phase], stderr=subprocess.PIPE, text=True)
+                          str(tmp_path / "w"), phase], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
   started = []
   try:
     deadline = time.monotonic() + 120
@@ -556,6 +559,7 @@ def test_the_data_paths_processes_end_with_the_run(tmp_path, phase):
       time.sleep(0.1)
     alive = [" ".join(p.cmdline())[:120] for p in started if not ended(p)]
     assert not alive, alive
+    assert not list((tmp_path / "tmp").iterdir())
   finally:
     run.kill()
     run.wait()

@@ -185,13 +185,12 @@ def test_the_vocabulary_trained_in_a_child_process_is_the_one_trained_here(corpu
 
 def test_sentencepiece_failing_is_one_line(corpus, tmp_path):
   root, text, _ = corpus
-  sample = tmp_path / "sample"
-  with open(sample, "wb") as f:
-    vocabulary._write_records(f, ["a b c"] * 10)
   args = {**Tokenizer.trainer_args(300), "model_type": "bpe", "vocab_size": 300,
           "character_coverage": 2.0}
-  with pytest.raises(UserError) as e:
-    vocabulary._train_in_child([str(sample)], args, False)
+  with open(tmp_path / "sample", "w+b") as f, pytest.raises(UserError) as e:
+    vocabulary._write_records(f, ["a b c"] * 10)
+    f.flush()
+    vocabulary._train_in_child([f], args, False)
   assert str(e.value).startswith("SentencePiece training failed: ") and "\n" not in str(e.value)
 
 

@@ -166,21 +166,27 @@ def train(corpus, record: dict, progress: bool = False) -> Tokenizer:
   k, _ = sample_size(corpus)
   idx = np.arange(n) if k >= n else np.sort(
       np.random.default_rng(0).choice(n, k, replace=False))
+  # The sample is two files with no name (TMPDIR's, unlinked as they are made) which the
+  # child reads by descriptor: a run killed, even with SIGKILL, leaves nothing on disk.
+  where = tempfile.gettempdir()
   try:
-    sample_dir = tempfile.TemporaryDirectory(prefix="seq2seq-vocabulary-")
+    src_f = tempfile.TemporaryFile(prefix="seq2seq-vocabulary-")
+    tgt_f = tempfile.TemporaryFile(prefix="seq2seq-vocabulary-")
   except OSError as e:
-    raise cannot_write(tempfile.gettempdir(), e, "for the vocabulary's sample: set TMPDIR to "
-                       "a writable directory with room") from None
-  with sample_dir as tmp:
-    sample = os.path.join(tmp, "sample")
+    raise cannot_write(where, e, "for the vocabulary's sample: set TMPDIR to a writable "
+                       "directory with room") from None
+  with src_f, tgt_f:
     try:
-      with open(f"{sample}.src", "wb") as s, open(f"{sample}.tgt", "wb") as t:
-        for a in range(0, len(idx), _CHUNK):
-          src, tgt = corpus.read("train", idx[a:a + _CHUNK])
-          _write_records(s, (normalize_source(x, record["lowercase_source"]) for x in src))
-          _write_records(t, tgt)
+      for a in range(0, len(idx), _CHUNK):
+        src, tgt = corpus.read("train", idx[a:a + _CHUNK])
+        _write_records(src_f, (normalize_source(x, record["lowercase_source"]) for x in src))
+        _write_records(tgt_f, tgt)
+      src_f.flush()
+      tgt_f.flush()
     except OSError as e:
-      raise cannot_write(tmp, e, "the vocabulary's sample, removed again: free space there, "
+      for f in (src_f, tgt_f):
+        f.raw.close()   # (closing them would write what their buffers hold, and fail again)
+      raise cannot_write(where, e, "the vocabulary's sample, removed again: free space there, "
                          "or set TMPDIR to a directory on a disk with room") from None
     # The text's line index (16 bytes a line) goes while the trainer's child holds its
     # sample (~1.8 GB), the largest moment of a first run, back to the system (train.py's
@@ -191,7 +197,7 @@ def train(corpus, record: dict, progress: bool = False) -> Tokenizer:
     malloc.release_freed_memory()
     args = Tokenizer.trainer_args(record["vocab_size"], record["spm_model_type"],
                                   record["character_coverage"])
-    return Tokenizer(_train_in_child([f"{sample}.src", f"{sample}.tgt"], args, progress))
+    return Tokenizer(_train_in_child([src_f, tgt_f], args, progress))
 
 
 def _write_records(f, texts) -> None:
@@ -201,9 +207,10 @@ def _write_records(f, texts) -> None:
     f.write(b)
 
 
-def _read_records(paths):
-  for path in paths:
-    with open(path, "rb") as f:
+def _read_records(fds):
+  for fd in fds:
+    with os.fdopen(fd, "rb") as f:
+      f.seek(0)
       while head := f.read(4):
         yield f.read(struct.unpack("<I", head)[0]).decode("utf-8")
 
@@ -215,12 +222,13 @@ _EM = re.compile(r"EM sub_iter=\d+ size=(\d+)")
 _BPE = re.compile(r"Added: freq=\d+ size=(\d+)")
 
 
-def _train_in_child(sample: list[str], args: dict, progress: bool) -> bytes:
-  """Runs this module as a child process on the sample files (it ends with this one); the
-  model's bytes, which it writes to its standard output."""
+def _train_in_child(sample: list, args: dict, progress: bool) -> bytes:
+  """Runs this module as a child process on the sample's open files, which it inherits (it
+  ends with this one); the model's bytes, which it writes to its standard output."""
   from tqdm import tqdm
+  fds = [f.fileno() for f in sample]
   cmd = [sys.executable, "-m", "seq2seq.data.vocabulary", str(os.getpid()), json.dumps(args),
-         *sample]
+         *map(str, fds)]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
        *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -228,7 +236,8 @@ def _train_in_child(sample: list[str], args: dict, progress: bool) -> bytes:
              bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]",
              file=sys.stderr)
   seeds, target, last, model = 0, args["vocab_size"], [], []
-  with subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as p:
+  with subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                        pass_fds=fds) as p:
     reader = threading.Thread(target=lambda: model.append(p.stdout.read()), daemon=True)
     reader.start()
     err = io.TextIOWrapper(p.stderr, errors="replace")
@@ -264,7 +273,8 @@ def _main(parent: str, args: str, *sample: str) -> int:
   os.dup2(2, 1)                      # goes to standard error
   import sentencepiece as spm
   try:
-    spm.SentencePieceTrainer.train(sentence_iterator=_read_records(sample), model_writer=out,
+    spm.SentencePieceTrainer.train(sentence_iterator=_read_records(map(int, sample)),
+                                   model_writer=out,
                                    **{**json.loads(args), "minloglevel": 0})
   except RuntimeError as e:
     print(f"error: {(str(e).strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
