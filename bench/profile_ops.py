@@ -130,9 +130,10 @@ def summarize(trace_path: str, index: dict, iters: int, wall_s: float, top: int)
   return "\n".join(lines)
 
 
-def _trace(fn, iters: int):
+def _trace(fn, iters: int, d: str):
+  """Calls fn iters times under jax.profiler, writing the trace under d: its Perfetto
+  file's path, and the seconds the calls took."""
   import jax
-  d = tempfile.mkdtemp(prefix="seq2seq_prof_")
   wall = 0.0   # of the calls alone: starting and stopping the trace take seconds
   with jax.profiler.trace(d, create_perfetto_trace=True):
     for _ in range(iters):
@@ -210,6 +211,8 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=2)
   ap.add_argument("--top", type=int, default=30)
   ap.add_argument("--hlo", default="", help="also write the compiled HLO text here")
+  ap.add_argument("--trace_dir", default="", help="keep the trace here (to open in "
+                  "ui.perfetto.dev); else it is removed once summed")
   args = ap.parse_args(argv)
   if args.what == "train":
     from seq2seq.kernels import malloc
@@ -222,9 +225,12 @@ def main(argv=None):
   if args.hlo:
     with open(args.hlo, "w") as f:
       f.write(hlo)
-  path, wall = _trace(run, args.iters)
-  print(f"{what}, {args.iters} iterations traced\n")
-  print(summarize(path, hlo_index(hlo), args.iters, wall, args.top))
+  with tempfile.TemporaryDirectory(prefix="seq2seq_prof_") as tmp:
+    path, wall = _trace(run, args.iters, args.trace_dir or tmp)
+    print(f"{what}, {args.iters} iterations traced\n")
+    print(summarize(path, hlo_index(hlo), args.iters, wall, args.top))
+  if args.trace_dir:
+    print(f"\ntrace: {path}")
 
 
 if __name__ == "__main__":

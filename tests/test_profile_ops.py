@@ -39,7 +39,7 @@ def test_wall_shares_split_overlaps_between_running_ops():
 
 
 @pytest.mark.slow   # profiles a benchmark's train step
-def test_summary_attributes_traced_ops_to_source():
+def test_summary_attributes_traced_ops_to_source(tmp_path):
   def ffn(x, w1, w2):
     return jnp.maximum(x @ w1, 0.0) @ w2
 
@@ -56,7 +56,8 @@ def test_summary_attributes_traced_ops_to_source():
   assert any(profile_ops.location(v[2]).startswith("bwd ") for v in dots), dots
   step(w1, x, w2).block_until_ready()
   iters = 3
-  path, wall = profile_ops._trace(lambda: step(w1, x, w2).block_until_ready(), iters)
+  path, wall = profile_ops._trace(lambda: step(w1, x, w2).block_until_ready(), iters,
+                                   str(tmp_path))
   text = profile_ops.summarize(path, index, iters, wall, top=10)
   assert "no op events" not in text, text
   by_loc = text.split("by source location")[1].split("by op kind")[0]
