@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from seq2seq import metrics as metrics_lib
-from seq2seq import net
+from seq2seq import net, watchdog
 from seq2seq.config import Config
 from seq2seq.kernels import malloc
 from seq2seq.steps import Trainer, raise_if_out_of_memory
@@ -25,6 +25,7 @@ def evaluate_loss(trainer: Trainer, params, ds, split: str, max_examples: int = 
   tot = {"loss_sum": 0.0, "nll_sum": 0.0, "tokens": 0.0, "correct": 0.0}
   for batch in _local_eval_batches(ds, split, bs, max_examples):
     m = trainer.eval(params, trainer.global_batch(batch))
+    watchdog.progress(m)   # (in a training run: a device that fails or hangs stops it)
     for k in tot:
       tot[k] += float(m[k])
   n = max(tot["tokens"], 1.0)
@@ -85,13 +86,16 @@ def run_eval(trainer: Trainer, cfg: Config, state, ds, split: str, writer, step:
   n = 0 if final else cfg.train.num_eval_examples
   t0 = time.time()
   malloc.release_freed_memory()   # the train steps' kept buffers, before the evaluation's
-  try:   # under the net: a cuDNN attention that fails moves to XLA's and is done again
-    m, said = net.netted("evaluation", lambda: evaluate_loss(trainer, state.params, ds, split,
-                                                             n), net.finite_metrics)
-    params = trainer.local_params(state)
-    (tm, examples), more = net.netted(
-        "decoding", lambda: evaluate_translations(cfg, params, ds, split, n),
-        lambda out: out[0]["finite_scores"])
+  # Under the net (a cuDNN attention that fails moves to XLA's and is done again) and the
+  # watch (a device that fails while others wait for it, or hangs, stops the run)
+  try:
+    with watchdog.phase(f"the evaluation of {split} at step {step}"):
+      m, said = net.netted("evaluation", lambda: evaluate_loss(trainer, state.params, ds,
+                                                               split, n), net.finite_metrics)
+      params = trainer.local_params(state)
+      (tm, examples), more = net.netted(
+          "decoding", lambda: evaluate_translations(cfg, params, ds, split, n),
+          lambda out: out[0]["finite_scores"])
   except jax.errors.JaxRuntimeError as e:   # its batch too large for the device: one line
     raise_if_out_of_memory(e, cfg, trainer.data_parallel, evaluation=True)
     raise

@@ -310,7 +310,8 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
   max_len: every sentence's length limit; None = its source length + 50 (decode's default).
   rng: sampling key or seed (None = 0); sentence j draws from fold_in(rng, j).
   length_multiple: source widths are rounded up to it (one compile per width).
-  progress: called with the number of sentences finished at each return to the host.
+  progress: called with the number of sentences finished at each return to the host (0
+    where none did).
   stats: a StreamStats to add this call's counts to.
   """
   _check(isinstance(strategy, (Greedy, Sample, Beam)),
@@ -403,7 +404,7 @@ def decode_stream(cfg: TransformerConfig, params, sources: Sequence[Sequence[int
     stats.steps += int(steps["steps"])
     stats.slot_steps += int(steps["steps"]) * slots
     stats.busy_slot_steps += int(steps["busy"])
-    if progress is not None and ids:
+    if progress is not None:
       progress(len(ids))
     busy = ~done & (source >= 0)
     state = dict(state, source=jnp.where(busy, state["source"], -1))

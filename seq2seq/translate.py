@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from seq2seq import kernels, net, slots
+from seq2seq import kernels, net, slots, watchdog
 from seq2seq.config import TransformerConfig
 from seq2seq.decoding import _variables, as_key, decode, decode_params
 from seq2seq.search import Beam, Greedy, Sample, Strategy, _check, _is_int
@@ -203,6 +203,7 @@ class _Progress:
     self.done = 0
 
   def __call__(self, n: int) -> None:
+    watchdog.progress()   # (in a training run's evaluation: a batch done)
     self.done += n
     if self.progress is not None and self.done > self.told:
       self.progress(self.done - self.told)

@@ -15,8 +15,13 @@ finds a step
           FACTOR times the slowest step so far, timed from one dispatch to the next (the
           first from the watch's start: its compile), and at least MIN_S.
 
+An evaluation or a decoding inside the run (`phase`) is watched the same way, its batches
+for steps: the batch in flight (`progress(outputs)`) failed on one device while another
+waits, or no batch done for BOUND seconds, with the slowest step or batch so far in FACTOR
+times.
+
 It calls `on_stop(line, error)` (net.run_failures: every host stops, exit 2) with a line
-that names the step. The checkpoints written stay intact: one being written is left
+that names the step or the evaluation. The checkpoints written stay intact: one being written is left
 unfinished, and the next run sets it aside (checkpoint.py).
 """
 from __future__ import annotations
@@ -46,6 +51,8 @@ class _Watch:
     self.at = time.monotonic()       # when (before any: the watch's start)
     self.slowest = 0.0               # the longest time from one dispatch to the next
     self.flight = collections.deque()   # (number, outputs, when dispatched), oldest first
+    self.phase: _Phase | None = None    # the evaluation or decoding in progress
+    self.slowest_batch = 0.0         # the longest wait for one of their batches
     self.done = threading.Event()
 
   def dispatched(self, outputs, number: int | None) -> None:
@@ -58,9 +65,32 @@ class _Watch:
   def bound(self) -> float:
     return max(MIN_S, FACTOR * self.slowest)
 
+  def batch_bound(self) -> float:
+    return max(MIN_S, FACTOR * max(self.slowest, self.slowest_batch))
+
   def run(self) -> None:
     suspect = None   # the step seen failed on one device at the last look
+    suspect_batch = None   # the phase's outputs seen failed so at the last look
     while not self.done.wait(POLL_S):
+      phase = self.phase
+      if phase is not None:
+        at, outputs = phase.at, phase.outputs
+        ready, failed = (True, None) if outputs is None else _look(outputs)
+        if not ready and failed is not None:
+          if suspect_batch is outputs:
+            device, error = failed
+            return self.on_stop(f"{phase.label}: device {device} failed while the other "
+                                f"devices waited for it in its collectives "
+                                f"({first_line(error)})", error)
+          suspect_batch = outputs
+        else:
+          suspect_batch = None
+        waited = time.monotonic() - at
+        if phase is self.phase and at == phase.at and waited > self.batch_bound():
+          return self.on_stop(f"{phase.label} hung: no batch done in {waited:.0f} s, the "
+                              f"slowest step or batch so far "
+                              f"{max(self.slowest, self.slowest_batch):.1f} s (compiles "
+                              f"included)", None)
       while self.flight:
         number, outputs, at = self.flight[0]
         ready, failed = _look(outputs)
@@ -79,6 +109,14 @@ class _Watch:
                               f"{waited:.0f} s, the slowest step so far {self.slowest:.1f} s "
                               f"(its compile included)", None)
         break
+
+
+class _Phase:
+
+  def __init__(self, label: str):
+    self.label = label
+    self.at = time.monotonic()   # when it began, or its last batch was done or dispatched
+    self.outputs = None          # the batch in flight's, where given
 
 
 def _look(outputs) -> tuple[bool, tuple | None]:
@@ -133,3 +171,28 @@ def redoing(number: int) -> None:
   """Step `number` is done again: the next dispatched is `number` again."""
   if _WATCHES:
     _WATCHES[-1].last = number - 1
+
+
+@contextlib.contextmanager
+def phase(label: str):
+  """An evaluation or decoding inside a watched run, named by `label` ("the evaluation of
+  validation at step 1000"): its batches are watched as steps are (`progress`)."""
+  if not _WATCHES:
+    yield
+    return
+  watch = _WATCHES[-1]
+  watch.phase = _Phase(label)
+  try:
+    yield
+  finally:
+    watch.phase = None
+    watch.at = time.monotonic()   # (the next step's wait counts from here)
+
+
+def progress(outputs=None) -> None:
+  """A batch of the phase in progress done; with `outputs`, the next one dispatched, whose
+  outputs a device's failure would hold."""
+  if _WATCHES and _WATCHES[-1].phase is not None:
+    watch, now = _WATCHES[-1], time.monotonic()
+    watch.slowest_batch = max(watch.slowest_batch, now - watch.phase.at)
+    watch.phase.outputs, watch.phase.at = outputs, now

@@ -12,7 +12,12 @@ FAKE_CUDNN_FAILS_ON names:
            process and the others, wait for it inside it;
   hang     the same, but the backward never returns (a device that hangs);
   late     in the run's programs, the backward times out while the step is traced (a host
-           late to agree): their probe passes, their step never compiles.
+           late to agree): their probe passes, their step never compiles;
+  eval_run, eval_hang
+           as run and hang, in the forward of the evaluation's loss (a program with
+           collectives) where the train step is well;
+  decode_hang
+           the forward of a decoding step (one query) never returns on their devices.
 
 Writes this process's attention verdicts to $FAKE_CUDNN_VERDICTS.<process index> when
 train.py is done. FAKE_STEP_WATCH="MIN_S,FACTOR" sets the step watch's bound
@@ -53,16 +58,32 @@ def _in_probe() -> bool:
 
 
 def _check(_):
-  if jax.process_index() in FAILS_ON and FAILURE == "hang":
+  if jax.process_index() in FAILS_ON and FAILURE.endswith("hang"):
     threading.Event().wait()
   if jax.process_index() in FAILS_ON:
-    raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED: fmha backward (emulated)")
+    raise RuntimeError(f"CUDNN_STATUS_EXECUTION_FAILED: fmha "
+                       f"{'forward' if FAILURE.startswith('eval') else 'backward'} (emulated)")
   return np.bool_(False)
 
 
+def _on_the_last_device(x):
+  """x, where the last device's call to `_check` (run by the last process) returned."""
+  failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), x.reshape(-1)[0],
+                       ordered=False, sharding=jax.sharding.SingleDeviceSharding(
+                           jax.devices()[-1]))
+  return jnp.where(failed, jnp.nan, x).astype(x.dtype)
+
+
 @jax.custom_vjp
-def fake_cudnn(q, k, v, mask):
-  return _xla(q, k, v, mask)
+def fake_cudnn(q, k, v, mask):   # (the forward outside a train step: evaluation, decoding)
+  out = _xla(q, k, v, mask)
+  if FAILURE in ("eval_run", "eval_hang") and q.shape[1] > 1 and not _in_probe():
+    out = _on_the_last_device(out)
+  if FAILURE == "decode_hang" and q.shape[1] == 1 and not _in_probe():
+    failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), out.reshape(-1)[0],
+                         ordered=False)
+    out = jnp.where(failed, jnp.nan, out).astype(out.dtype)
+  return out
 
 
 def _fwd(q, k, v, mask):
@@ -78,10 +99,7 @@ def _bwd(vjp, g):
     dq = jax.ffi.ffi_call("__cudnn$fmhaBackwardEmulated",
                           jax.ShapeDtypeStruct(dq.shape, dq.dtype))(dq)
   if FAILURE in ("run", "hang") and run:   # (the same program on every process)
-    failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), dq.reshape(-1)[0],
-                         ordered=False, sharding=jax.sharding.SingleDeviceSharding(
-                             jax.devices()[-1]))   # (run by the last process)
-    dq = jnp.where(failed, jnp.nan, dq).astype(dq.dtype)
+    dq = _on_the_last_device(dq)
   if FAILURE == "late" and here and run:
     raise jax.errors.JaxRuntimeError("DEADLINE_EXCEEDED: Barrier timed out (emulated)")
   return dq, dk, dv, None

@@ -93,3 +93,42 @@ def test_one_host_s_device_failing_stops_the_run_and_the_rerun_resumes_on_xla(co
               for v in json.loads((tmp_path / "verdicts.0").read_text())}
   assert all(not verdicts[key]["forward"]["ok"] and not verdicts[key]["train"]["ok"]
              for key in machine), verdicts   # the step's forms took XLA's attention
+
+
+EVAL_FAILED = (r"the evaluation of validation at step 4: device cpu:\d+ failed while the other "
+               r"devices waited for it in its collectives \(JaxRuntimeError: INTERNAL: "
+               r"CpuCallback error calling callback: RuntimeError: "
+               r"CUDNN_STATUS_EXECUTION_FAILED: fmha forward \(emulated\)\), cuDNN's attention "
+               r"in the run's programs \(query x key lengths [\dx, ]+\): every host stops; "
+               r"rerun to resume from the last checkpoint on XLA's attention")
+EVAL_HUNG = (r"the evaluation of validation at step 4 hung: no batch done in \d+ s, the slowest "
+             r"step or batch so far [\d.]+ s \(compiles included\), cuDNN's attention in the "
+             r"run's programs \(query x key lengths [\dx, ]+\): every host stops; rerun with "
+             r"SEQ2SEQ_ATTENTION=xla to resume from the last checkpoint on XLA's attention")
+
+
+@pytest.mark.slow   # two training processes that stop at their evaluation (~30-45 s)
+@pytest.mark.parametrize("failure, says", [("eval_run", EVAL_FAILED), ("eval_hang", EVAL_HUNG),
+                                           ("decode_hang", EVAL_HUNG)])
+def test_a_device_failing_or_hanging_in_an_evaluation_stops_every_host(corpus, tmp_path,
+                                                                        failure, says):
+  """The train steps are well; in the evaluation after the last step, the last device of
+  process 1 fails (`eval_run`) or hangs (`eval_hang`) inside the evaluation's loss, the 3
+  others waiting for it in its collectives, or process 1's decoding hangs (`decode_hang`).
+  Before, every host waited for good. Now each stops within seconds of the other, one line
+  each naming the evaluation, exit 2; the last checkpoint is intact."""
+  sources, data_dir = corpus
+  env = _env(2, SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="100",
+             FAKE_CUDNN_FAILURE=failure, FAKE_CUDNN_FAILS_ON="1", FAKE_STEP_WATCH="0,3")
+  outs = run_two_hosts([sys.executable, str(DRIVER), *_args(sources, tmp_path / "w", data_dir)],
+                       env, timeout=200, check=False)
+  (_, err0, code0, t0), (_, err1, code1, t1) = outs
+  lines = [_error_lines(err0), _error_lines(err1)]
+  for code, found, err in ((code0, lines[0], err0), (code1, lines[1], err1)):
+    assert code == 2 and len(found) == 1 and re.fullmatch(
+        rf"error: (process [01] stopped the run: )?{says}", found[0]), err[-3000:]
+  if failure == "eval_run":   # (the process whose device failed says so itself)
+    assert lines[0][0].startswith("error: process 1 stopped the run: "), lines
+  assert abs(t0 - t1) < 10, (t0, t1)
+  assert [r["step"] for r in _train_rows(tmp_path / "w")] == [2, 4]
+  assert (tmp_path / "w" / "checkpoints" / "4").is_dir()
