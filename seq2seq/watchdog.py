@@ -21,8 +21,8 @@ waits, or no batch done for BOUND seconds, with the slowest step or batch so far
 times.
 
 It calls `on_stop(line, error)` (net.run_failures: every host stops, exit 2) with a line
-that names the step or the evaluation. The checkpoints written stay intact: one being written is left
-unfinished, and the next run sets it aside (checkpoint.py).
+that names the step or the evaluation. The checkpoints written stay intact: one being
+written is left unfinished, and the next run sets it aside (checkpoint.py).
 """
 from __future__ import annotations
 
@@ -69,46 +69,47 @@ class _Watch:
     return max(MIN_S, FACTOR * max(self.slowest, self.slowest_batch))
 
   def run(self) -> None:
-    suspect = None   # the step seen failed on one device at the last look
-    suspect_batch = None   # the phase's outputs seen failed so at the last look
+    seen = {}   # what the last look found failed on one device ("step": its number, "batch")
     while not self.done.wait(POLL_S):
-      phase = self.phase
-      if phase is not None:
-        at, outputs = phase.at, phase.outputs
-        ready, failed = (True, None) if outputs is None else _look(outputs)
-        if not ready and failed is not None:
-          if suspect_batch is outputs:
-            device, error = failed
-            return self.on_stop(f"{phase.label}: device {device} failed while the other "
-                                f"devices waited for it in its collectives "
-                                f"({first_line(error)})", error)
-          suspect_batch = outputs
-        else:
-          suspect_batch = None
-        waited = time.monotonic() - at
-        if phase is self.phase and at == phase.at and waited > self.batch_bound():
-          return self.on_stop(f"{phase.label} hung: no batch done in {waited:.0f} s, the "
-                              f"slowest step or batch so far "
-                              f"{max(self.slowest, self.slowest_batch):.1f} s (compiles "
-                              f"included)", None)
-      while self.flight:
-        number, outputs, at = self.flight[0]
-        ready, failed = _look(outputs)
-        if ready:
-          self.flight.popleft()
-          continue
-        waited = time.monotonic() - at
-        if failed is not None and suspect == number:
-          device, error = failed
-          return self.on_stop(f"step {number}: device {device} failed while the step's "
-                              f"other devices waited for it in its collectives "
-                              f"({first_line(error)})", error)
-        suspect = number if failed is not None else None
-        if waited > self.bound():
-          return self.on_stop(f"step {number} hung: no result from its devices in "
-                              f"{waited:.0f} s, the slowest step so far {self.slowest:.1f} s "
-                              f"(its compile included)", None)
-        break
+      stop = self._phase_stopped(seen) or self._steps_stopped(seen)
+      if stop is not None:
+        return self.on_stop(*stop)
+
+  def _steps_stopped(self, seen: dict) -> tuple | None:
+    while self.flight:
+      number, outputs, at = self.flight[0]
+      ready, failed = _look(outputs)
+      if ready:
+        self.flight.popleft()
+        continue
+      waited = time.monotonic() - at
+      if failed is not None and seen.get("step") == number:
+        device, error = failed
+        return (f"step {number}: device {device} failed while the step's other devices "
+                f"waited for it in its collectives ({first_line(error)})", error)
+      seen["step"] = number if failed is not None else None
+      if waited > self.bound():
+        return (f"step {number} hung: no result from its devices in {waited:.0f} s, the "
+                f"slowest step so far {self.slowest:.1f} s (its compile included)", None)
+      return None
+
+  def _phase_stopped(self, seen: dict) -> tuple | None:
+    phase = self.phase
+    if phase is None:
+      return None
+    at, outputs = phase.at, phase.outputs
+    ready, failed = (True, None) if outputs is None else _look(outputs)
+    if not ready and failed is not None and seen.get("batch") is outputs:
+      device, error = failed
+      return (f"{phase.label}: device {device} failed while the other devices waited for it "
+              f"in its collectives ({first_line(error)})", error)
+    seen["batch"] = outputs if not ready and failed is not None else None
+    waited = time.monotonic() - at
+    if phase is self.phase and at == phase.at and waited > self.batch_bound():
+      return (f"{phase.label} hung: no batch done in {waited:.0f} s, the slowest step or "
+              f"batch so far {max(self.slowest, self.slowest_batch):.1f} s (compiles "
+              f"included)", None)
+    return None
 
 
 class _Phase:
