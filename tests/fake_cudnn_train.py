@@ -66,11 +66,12 @@ def _check(_):
   return np.bool_(False)
 
 
-def _on_the_last_device(x):
-  """x, where the last device's call to `_check` (run by the last process) returned."""
+def _checked(x, last_device: bool = True):
+  """x, where a call to `_check` returned: the last device's (run by the last process), or
+  (not `last_device`) the program's own device's."""
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[-1]) if last_device else None
   failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), x.reshape(-1)[0],
-                       ordered=False, sharding=jax.sharding.SingleDeviceSharding(
-                           jax.devices()[-1]))
+                       ordered=False, sharding=sharding)
   return jnp.where(failed, jnp.nan, x).astype(x.dtype)
 
 
@@ -78,11 +79,9 @@ def _on_the_last_device(x):
 def fake_cudnn(q, k, v, mask):   # (the forward outside a train step: evaluation, decoding)
   out = _xla(q, k, v, mask)
   if FAILURE in ("eval_run", "eval_hang") and q.shape[1] > 1 and not _in_probe():
-    out = _on_the_last_device(out)
+    out = _checked(out)
   if FAILURE == "decode_hang" and q.shape[1] == 1 and not _in_probe():
-    failed = io_callback(_check, jax.ShapeDtypeStruct((), jnp.bool_), out.reshape(-1)[0],
-                         ordered=False)
-    out = jnp.where(failed, jnp.nan, out).astype(out.dtype)
+    out = _checked(out, last_device=False)
   return out
 
 
@@ -99,7 +98,7 @@ def _bwd(vjp, g):
     dq = jax.ffi.ffi_call("__cudnn$fmhaBackwardEmulated",
                           jax.ShapeDtypeStruct(dq.shape, dq.dtype))(dq)
   if FAILURE in ("run", "hang") and run:   # (the same program on every process)
-    dq = _on_the_last_device(dq)
+    dq = _checked(dq)
   if FAILURE == "late" and here and run:
     raise jax.errors.JaxRuntimeError("DEADLINE_EXCEEDED: Barrier timed out (emulated)")
   return dq, dk, dv, None

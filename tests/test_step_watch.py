@@ -33,6 +33,18 @@ def corpus(tmp_path_factory):
   return _corpus(root / "corpus"), root / "tfds"
 
 
+def _two_hosts(corpus, tmp_path, failure: str, timeout: float) -> list[tuple]:
+  """(standard error, exit code, seconds) of each of two processes of 2 devices training
+  with the cuDNN stand-in failing as `failure` says on process 1, the watch's bound 3 times
+  the slowest step or batch so far."""
+  sources, data_dir = corpus
+  env = _env(2, SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="100",
+             FAKE_CUDNN_FAILURE=failure, FAKE_CUDNN_FAILS_ON="1", FAKE_STEP_WATCH="0,3")
+  outs = run_two_hosts([sys.executable, str(DRIVER), *_args(sources, tmp_path / "w", data_dir)],
+                       env, timeout=timeout, check=False)
+  return [(err, code, seconds) for _, err, code, seconds in outs]
+
+
 def _error_lines(err: str) -> list[str]:
   return [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
 
@@ -47,12 +59,7 @@ def test_a_device_failing_or_hanging_inside_a_step_stops_every_host(corpus, tmp_
   process 0 within seconds, saying process 1 stopped the run. `hang`: that device never
   returns, no error anywhere; each process stops once the step has waited past the bound
   (here 3 times the slowest step so far, its compile included)."""
-  sources, data_dir = corpus
-  env = _env(2, SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="100",
-             FAKE_CUDNN_FAILURE=failure, FAKE_CUDNN_FAILS_ON="1", FAKE_STEP_WATCH="0,3")
-  outs = run_two_hosts([sys.executable, str(DRIVER), *_args(sources, tmp_path / "w", data_dir)],
-                       env, timeout=150, check=False)
-  (_, err0, code0, t0), (_, err1, code1, t1) = outs
+  (err0, code0, t0), (err1, code1, t1) = _two_hosts(corpus, tmp_path, failure, 150)
   lines = [_error_lines(err0), _error_lines(err1)]
   assert code1 == 2 and len(lines[1]) == 1 and re.fullmatch(
       rf"error: (process 0 stopped the run: )?{says}", lines[1][0]), err1[-3000:]
@@ -117,12 +124,7 @@ def test_a_device_failing_or_hanging_in_an_evaluation_stops_every_host(corpus, t
   others waiting for it in its collectives, or process 1's decoding hangs (`decode_hang`).
   Before, every host waited for good. Now each stops within seconds of the other, one line
   each naming the evaluation, exit 2; the last checkpoint is intact."""
-  sources, data_dir = corpus
-  env = _env(2, SEQ2SEQ_DIST_TIMEOUT="60", SEQ2SEQ_HEARTBEAT_TIMEOUT="100",
-             FAKE_CUDNN_FAILURE=failure, FAKE_CUDNN_FAILS_ON="1", FAKE_STEP_WATCH="0,3")
-  outs = run_two_hosts([sys.executable, str(DRIVER), *_args(sources, tmp_path / "w", data_dir)],
-                       env, timeout=200, check=False)
-  (_, err0, code0, t0), (_, err1, code1, t1) = outs
+  (err0, code0, t0), (err1, code1, t1) = _two_hosts(corpus, tmp_path, failure, 200)
   lines = [_error_lines(err0), _error_lines(err1)]
   for code, found, err in ((code0, lines[0], err0), (code1, lines[1], err1)):
     assert code == 2 and len(found) == 1 and re.fullmatch(
