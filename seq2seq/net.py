@@ -41,7 +41,7 @@ from seq2seq.kernels import accelerator as acc
 
 POLL_S = 0.5          # how often a host looks for another's failure
 SEEN_TIMEOUT_S = 5.0  # how long a failing host waits for the others to see its failure
-_STOP, _SEEN = "seq2seq/net/stop/", "seq2seq/net/seen/"
+_STOP, _SEEN, _SAID = "seq2seq/net/stop/", "seq2seq/net/seen/", "seq2seq/net/said/"
 _STOPPING = threading.Event()   # this host has told the others it stops
 _NETTED = [0]   # > 0: inside `netted`, which does again what fails in it
 
@@ -344,8 +344,7 @@ def stop_every_host(line: str, forms=(), store: bool = False, cudnn: bool = True
   else:
     line += f": {who}; rerun to resume from the last checkpoint"
   _tell_the_others(line)
-  print(f"error: {line}", file=sys.stderr, flush=True)
-  os._exit(2)
+  _leave(f"error: {line}")
 
 
 def _client():
@@ -370,6 +369,26 @@ def _tell_the_others(line: str) -> None:
     pass
 
 
+def _leave(line: str) -> None:
+  """Says `line` and ends this process, exit 2. Process 0, which holds the key-value store,
+  ends last (up to SEEN_TIMEOUT_S): its end takes the store along, and JAX aborts a host
+  still connected to it, before that host has said its line."""
+  print(line, file=sys.stderr, flush=True)
+  if jax.process_count() > 1:
+    me = jax.process_index()
+    try:
+      if me:
+        _client().key_value_set(f"{_SAID}{me}", "1", allow_overwrite=True)
+      else:
+        deadline = time.time() + SEEN_TIMEOUT_S
+        for i in range(1, jax.process_count()):
+          _client().blocking_key_value_get(f"{_SAID}{i}",
+                                           max(1, int(1000 * (deadline - time.time()))))
+    except Exception:   # noqa: BLE001 - a host already gone, or one that did not answer in time
+      pass
+  os._exit(2)
+
+
 def _watch(done: threading.Event) -> None:
   """Until `done`: ends this process (exit 2, one line) within POLL_S of another host posting
   its failure, unless this one is stopping too (then it only says it saw it)."""
@@ -388,6 +407,5 @@ def _watch(done: threading.Event) -> None:
       pass
     if not _STOPPING.is_set():
       who, line = others[0]
-      print(f"error: process {who} stopped the run: {line}", file=sys.stderr, flush=True)
-      os._exit(2)
+      _leave(f"error: process {who} stopped the run: {line}")
     return
